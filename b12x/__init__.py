@@ -1,0 +1,3 @@
+"""b12x: export speculative-decoding passes as versioned packages and replay them."""
+
+__version__ = "0.1.0"
