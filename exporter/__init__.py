@@ -1,0 +1,1 @@
+"""b12x exporter: recipes, model definitions, capture, package writer and CLI."""

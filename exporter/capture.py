@@ -1,0 +1,55 @@
+"""Capture one pass with torch.export: weights, caches, staging and inputs as graph inputs.
+
+The mutated caches and staging stay plain user inputs (custom ops keep their in-place
+form before decomposition), so the graph's calling convention is exactly the buffer
+list of the pass. "rows" and "slots" are dynamic dimensions: one graph serves every rows
+bucket and every session size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import Dim
+
+from b12x.exporter.pass_modules import PassModule
+from b12x.runtime.abi import BufferSpec
+
+EXAMPLE_SIZES = {"rows": 2, "slots": 3}  # not 0 or 1, so export does not specialise them
+GROUPS = ("weight", "cache", "staging", "input")
+
+
+def _dims() -> dict:
+    return {"rows": Dim("rows", min=1, max=1 << 16), "slots": Dim("slots", min=2, max=1 << 20)}
+
+
+def example_tensor(spec: BufferSpec, device) -> torch.Tensor:
+    shape = spec.resolve(EXAMPLE_SIZES)
+    if spec.torch_dtype.is_floating_point:
+        return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+
+
+def group_inputs(specs: list[BufferSpec]) -> tuple[dict, ...]:
+    """Split the flat convention into the four dicts forward() takes, keeping order."""
+    groups = {role: {} for role in GROUPS}
+    for spec in specs:
+        groups[spec.role][spec.name] = spec
+    return tuple(groups[role] for role in GROUPS)
+
+
+def capture(module: PassModule, weights: dict[str, torch.Tensor], device="cpu") -> torch.export.ExportedProgram:
+    inputs, _ = module.convention()
+    dims = _dims()
+    args, dynamic = [], []
+    for group in group_inputs(inputs):
+        values, shapes = {}, {}
+        for name, spec in group.items():
+            values[name] = weights[name] if spec.role == "weight" else example_tensor(spec, device)
+            shapes[name] = {i: dims[d] for i, d in enumerate(spec.shape) if isinstance(d, str)} or None
+        args.append(values)
+        dynamic.append(shapes)
+    with torch.no_grad():
+        program = torch.export.export(module, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
+    # Sample inputs are pickled into the archive; a package carries none.
+    program._example_inputs = None
+    return program

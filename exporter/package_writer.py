@@ -1,0 +1,76 @@
+"""Write a package directory atomically and deterministically.
+
+Everything goes into a temporary sibling directory first and is renamed into place, so
+a failed or killed export never leaves a partial package under the final name. Bytes
+depend only on the recipe, the weights and the tool versions: graphs are saved without
+sample inputs, JSON keys are sorted, and no time stamps, host names or paths are written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def program_bytes(program: torch.export.ExportedProgram) -> bytes:
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+def weights_bytes(weights: dict[str, torch.Tensor]) -> bytes:
+    ordered = {name: weights[name].detach().contiguous().cpu() for name in sorted(weights)}
+    return safetensors.torch.save(ordered, metadata={"format": "pt"})
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_package(target: Path, files: dict[str, bytes], manifest: dict) -> Path:
+    """Write `files` plus manifest.json (with every file's sha256) as directory `target`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    manifest = {**manifest, "files": {name: sha256(data) for name, data in sorted(files.items())}}
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        for name, data in {**files, "manifest.json": manifest_bytes(manifest)}.items():
+            path = staging / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        _replace_dir(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`; an existing package is moved aside first, then removed."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        os.replace(target, old / "package")
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""b12x passes: the pass manager and graph rewrites on torch.fx graphs."""

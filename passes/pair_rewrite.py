@@ -1,0 +1,77 @@
+"""Fuse two effectful ops into one, described as data.
+
+A `PairRewrite` names the first and second op, which arguments must be the same node or
+constant for the pair to match, and how the fused op's arguments are taken from the two.
+The fused node replaces the second op in program order; that is legal only when nothing
+that depends on the first op (a reader or writer of what it touches) runs before the
+second one, which the dependency graph answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx
+
+from b12x.passes.dependency import dependency_graph, order
+
+
+def named_args(node: torch.fx.Node) -> dict:
+    schema = node.target._schema
+    values = dict(zip((a.name for a in schema.arguments), node.args))
+    values.update(node.kwargs)
+    return values
+
+
+@dataclass(frozen=True)
+class PairRewrite:
+    first: object  # OpOverload
+    second: object
+    fused: object
+    same: tuple[tuple[str, str], ...]  # (first's argument, second's argument) that must be identical
+    fused_args: tuple[tuple[str, str], ...]  # fused argument -> ("first" | "second", argument name)
+    check: Callable[[dict, dict], None] | None = None  # raises on a match it must refuse
+
+    def candidates(self, graph: torch.fx.Graph):
+        """(first, second) pairs: each second op paired with the nearest earlier linked first op."""
+        pending = []
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target == self.first:
+                pending.append(node)
+            elif node.target == self.second:
+                args = named_args(node)
+                for first in reversed(pending):
+                    fargs = named_args(first)
+                    if all(fargs[a] is args[b] or fargs[a] == args[b] for a, b in self.same):
+                        pending.remove(first)
+                        yield first, node
+                        break
+
+    def apply(self, gm: torch.fx.GraphModule) -> int:
+        graph = gm.graph
+        pairs = list(self.candidates(graph))
+        if not pairs:
+            return 0
+        dag = dependency_graph(graph)
+        legal = [
+            (first, second) for first, second in pairs
+            # Moving the first op down to the second is legal only if nothing that
+            # depends on its effect (reader/writer of what it touches) runs in between.
+            if not any(s is not second and order(dag, s) < order(dag, second) for s in dag.successors(first))
+        ]
+        if self.check is not None:  # refuse before touching the graph: no half-rewritten result
+            for first, second in legal:
+                self.check(named_args(first), named_args(second))
+        for first, second in legal:
+            source = {"first": named_args(first), "second": named_args(second)}
+            args = tuple(source[side][name] for _, (side, name) in self.fused_args)
+            with graph.inserting_before(second):
+                node = graph.call_function(self.fused, args)
+            node.meta.update(second.meta)
+            graph.erase_node(second)
+            graph.erase_node(first)
+        gm.recompile()
+        return len(legal)

@@ -1,0 +1,1 @@
+"""Bundled export recipes (YAML files shipped as package data)."""

@@ -1,0 +1,245 @@
+"""CPU reference encoders/decoders for the KV-cache row formats.
+
+Every format turns float32 rows ``x[..., dim]`` into ``uint8[..., row_bytes(dim)]``
+and back. The code is plain vectorised torch (no per-element Python loops) because
+it runs inside custom ops on hot paths; it also works unchanged on other devices.
+
+Byte layouts of one row (all multi-byte values little-endian):
+
+``mxfp8`` (OCP MX, block 32) -- ``dim + dim/32`` bytes (512 dims -> 528)
+    ``dim`` bytes of FP8 E4M3 elements in element order, then one UE8M0 scale byte
+    per block of 32. Shared exponent ``e = floor(log2(amax)) - 8`` (8 = emax of
+    E4M3), clamped to [-127, 127]; scale byte ``e + 127``; element
+    ``E4M3(clamp(x * 2^-e, -448, 448))`` rounded to nearest even. Decode:
+    ``E4M3 * 2^(scale - 127)``.
+    Edge cases: amax == 0 -> scale 0x00 and all elements 0x00. Any NaN in a
+    block -> scale 0xFF and every element 0x7F (canonical positive NaN); a 0xFF
+    scale decodes to NaN for the whole block. +-inf counts as float32 max for
+    the scale and saturates to +-448. Within a block with a nonzero amax, -0.0
+    and negative values that round to zero keep the sign the cast gives (0x80).
+
+``nvfp4`` (block 16) -- ``dim/2 + dim/16`` bytes (512 dims -> 288)
+    ``dim/2`` bytes of packed FP4 E2M1 (element 2i in the low nibble, 2i+1 in the
+    high nibble), then one FP8 E4M3 scale byte per block of 16. No global scale.
+    ``s = E4M3(clamp(amax / 6, 0, 448))``; element ``E2M1(x / s)`` rounded to
+    nearest with ties to the even code, saturating at 6; sign bit 0x8 set iff
+    ``x < 0`` (so -0.0 encodes as 0x0, and a negative value rounding to zero as
+    0x8). Decode: ``e2m1 * s``.
+    Edge cases: ``s == 0`` (amax / 6 <= 2^-10: half the smallest E4M3 step) -> all
+    nibbles 0. Any NaN in a block -> scale 0x7F (E4M3 NaN) and nibbles 0; it
+    decodes to NaN for the whole block. +-inf counts as float32 max.
+
+``bf16`` (block 1) -- ``2 * dim`` bytes: the bfloat16 bit pattern (RNE cast).
+
+``fp32`` (block 1) -- ``4 * dim`` bytes: the float32 bit pattern, exact.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Format", "FORMATS", "get_format", "check_dim"]
+
+_F32_MAX = torch.finfo(torch.float32).max
+_E4M3_MAX = 448.0
+_E4M3_EMAX = 8
+_E2M1_MAX = 6.0
+# E2M1 magnitudes by code 0..7; codes 8..15 are the same with the sign bit set.
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring E2M1 codes. A tie goes to the even code, so at
+# midpoints above an even code the value must be strictly greater to move up,
+# and at midpoints above an odd code reaching the midpoint is enough.
+_E2M1_UP_IF_GT = (0.25, 1.25, 2.5, 5.0)  # above codes 0, 2, 4, 6
+_E2M1_UP_IF_GE = (0.75, 1.75, 3.5)  # above codes 1, 3, 5
+
+
+def _pow2_table(device: torch.device) -> torch.Tensor:
+    """float32 ``2^(i - 127)`` for i in 0..254 and NaN at 255 (the UE8M0 decode).
+
+    Built from Python floats, which hold powers of two exactly (2^-127 is a
+    float32 subnormal, still exact), so scaling never depends on a libm exp2.
+    """
+    vals = [2.0 ** (i - 127) for i in range(255)] + [float("nan")]
+    return torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _block_amax(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax with inf -> float32 max and NaN ignored, any-NaN mask) per block."""
+    nan = torch.isnan(xb).any(dim=-1)
+    mag = torch.nan_to_num(xb.abs(), nan=0.0, posinf=_F32_MAX)
+    return mag.amax(dim=-1), nan
+
+
+def _to_e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
+    # The clamp is explicit: what an out-of-range value becomes in the cast
+    # (NaN or saturated) has differed between torch versions.
+    v = v.clamp(-_E4M3_MAX, _E4M3_MAX)
+    return v.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _e4m3_bytes_to_f32(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _encode_mxfp8(x: torch.Tensor, out: torch.Tensor) -> None:
+    dim = x.shape[-1]
+    xb = _blocks(x, 32)
+    amax, nan = _block_amax(xb)
+    # frexp is exact: amax = m * 2^k with m in [0.5, 1), so floor(log2 amax) = k - 1.
+    _, k = torch.frexp(amax)
+    e = (k.to(torch.int64) - 1 - _E4M3_EMAX).clamp(-127, 127)
+    inv_scale = _pow2_table(x.device)[127 - e]  # 2^-e; 127 - e is in [8, 254]
+    # x * 2^-e is exact for every value that can land above zero in E4M3.
+    elems = _to_e4m3_bytes(xb * inv_scale.unsqueeze(-1))
+    zero = amax == 0
+    scale = torch.where(zero, 0, e + 127).to(torch.uint8)
+    scale = torch.where(nan, 0xFF, scale).to(torch.uint8)
+    elems = torch.where(zero.unsqueeze(-1), 0, elems).to(torch.uint8)
+    elems = torch.where(nan.unsqueeze(-1), 0x7F, elems).to(torch.uint8)
+    out[..., :dim].copy_(elems.reshape(x.shape))
+    out[..., dim:].copy_(scale)
+
+
+def _decode_mxfp8(data: torch.Tensor, dim: int) -> torch.Tensor:
+    elems = _blocks(_e4m3_bytes_to_f32(data[..., :dim]), 32)
+    scale = _pow2_table(data.device)[data[..., dim:].long()]  # 0xFF -> NaN
+    return (elems * scale.unsqueeze(-1)).reshape(*data.shape[:-1], dim)
+
+
+def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """Unsigned E2M1 code (0..7) of |q|, nearest with ties to even, saturating."""
+    a = q.abs()
+    code = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    # Loop over the 7 midpoints, not the elements: each step is one vector compare.
+    for t in _E2M1_UP_IF_GT:
+        code += (a > t).to(torch.uint8)
+    for t in _E2M1_UP_IF_GE:
+        code += (a >= t).to(torch.uint8)
+    return code
+
+
+def _encode_nvfp4(x: torch.Tensor, out: torch.Tensor) -> None:
+    dim = x.shape[-1]
+    xb = _blocks(x, 16)
+    amax, nan = _block_amax(xb)
+    scale = _to_e4m3_bytes(amax / _E2M1_MAX)  # amax >= 0, so only the top clamp acts
+    s = _e4m3_bytes_to_f32(scale).unsqueeze(-1)
+    live = s > 0
+    # Dividing by 1 where s == 0 avoids 0/0; those blocks are zeroed below.
+    q = xb / torch.where(live, s, torch.ones_like(s))
+    nib = _e2m1_codes(q) | torch.where(xb < 0, 0x8, 0).to(torch.uint8)
+    nib = torch.where(live & ~nan.unsqueeze(-1), nib, 0).to(torch.uint8)
+    nib = nib.reshape(x.shape)
+    packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    scale = torch.where(nan, 0x7F, scale).to(torch.uint8)
+    out[..., : dim // 2].copy_(packed)
+    out[..., dim // 2 :].copy_(scale)
+
+
+def _decode_nvfp4(data: torch.Tensor, dim: int) -> torch.Tensor:
+    packed = data[..., : dim // 2]
+    nib = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*data.shape[:-1], dim)
+    lut = torch.tensor(
+        _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=data.device
+    )
+    s = _e4m3_bytes_to_f32(data[..., dim // 2 :])  # 0x7F -> NaN for the whole block
+    return (_blocks(lut[nib.long()], 16) * s.unsqueeze(-1)).reshape(*data.shape[:-1], dim)
+
+
+def _bit_encoder(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def encode(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x.to(dtype).contiguous().view(torch.uint8))
+
+    return encode
+
+
+def _bit_decoder(dtype: torch.dtype) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def decode(data: torch.Tensor, dim: int) -> torch.Tensor:
+        # copy=True so the result never aliases the caller's cache bytes.
+        return data.contiguous().view(dtype).to(torch.float32, copy=True)
+
+    return decode
+
+
+@dataclass(frozen=True)
+class Format:
+    """A KV-cache row format: ``block`` elements become ``block_bytes`` bytes."""
+
+    name: str
+    block: int
+    block_bytes: int
+    _encode: Callable[[torch.Tensor, torch.Tensor], None]
+    _decode: Callable[[torch.Tensor, int], torch.Tensor]
+
+    def row_bytes(self, dim: int) -> int:
+        check_dim(self, dim)
+        return dim // self.block * self.block_bytes
+
+    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encode ``x[..., dim]`` (cast to float32) into ``uint8[..., row_bytes(dim)]``.
+
+        With ``out`` (uint8, right shape, any strides, e.g. a cache slice) the
+        bytes are written there and ``out`` is returned.
+        """
+        x = x.to(torch.float32)
+        if x.dim() == 0:
+            raise ValueError(f"{self.name}: encode needs at least one dimension")
+        shape = (*x.shape[:-1], self.row_bytes(x.shape[-1]))
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8, device=x.device)
+        elif out.dtype != torch.uint8 or tuple(out.shape) != shape:
+            raise ValueError(
+                f"{self.name}: out must be uint8 of shape {list(shape)}, "
+                f"got {out.dtype} {list(out.shape)}"
+            )
+        self._encode(x, out)
+        return out
+
+    def decode(self, data: torch.Tensor, dim: int) -> torch.Tensor:
+        """Decode ``uint8[..., row_bytes(dim)]`` into float32 ``[..., dim]``; reads only."""
+        nbytes = self.row_bytes(dim)
+        if data.dtype != torch.uint8 or data.dim() == 0 or data.shape[-1] != nbytes:
+            raise ValueError(
+                f"{self.name}: expected uint8 [..., {nbytes}] for dim {dim}, "
+                f"got {data.dtype} {list(data.shape)}"
+            )
+        return self._decode(data, dim)
+
+
+FORMATS: dict[str, Format] = {
+    "mxfp8": Format("mxfp8", 32, 33, _encode_mxfp8, _decode_mxfp8),
+    "nvfp4": Format("nvfp4", 16, 9, _encode_nvfp4, _decode_nvfp4),
+    "bf16": Format("bf16", 1, 2, _bit_encoder(torch.bfloat16), _bit_decoder(torch.bfloat16)),
+    "fp32": Format("fp32", 1, 4, _bit_encoder(torch.float32), _bit_decoder(torch.float32)),
+}
+
+
+def get_format(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown KV-cache format {name!r}; supported: {', '.join(sorted(FORMATS))}"
+        ) from None
+
+
+def check_dim(fmt: Format | str, dim: int) -> None:
+    """Raise ValueError unless ``dim`` is a positive multiple of the format's block."""
+    if isinstance(fmt, str):
+        fmt = get_format(fmt)
+    try:
+        ok = not isinstance(dim, bool) and operator.index(dim) > 0 and dim % fmt.block == 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{fmt.name}: dim {dim!r} must be a positive multiple of the block size {fmt.block}"
+        )

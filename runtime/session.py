@@ -1,0 +1,142 @@
+"""A session: caller-owned buffers bound to a package's passes, replayed per rows bucket.
+
+The session allocates (or accepts) every cache, staging buffer, input and output once,
+validates each against the manifest, and prepares each pass per rows bucket. A replay
+validates the caller's values, copies them into the bucket's static inputs (padding rows
+point at the scratch slot, the last slot), runs the captured graph and copies results
+into the bucket's static outputs. Buffers never move, so poisoning any reusable storage
+before a replay changes no output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from b12x.runtime.abi import BufferSpec
+from b12x.runtime.qualify import check_fused_window
+from b12x.runtime.validate import BufferError, check_buffer, validate_inputs
+
+FUSED = torch.ops.b12x.window_snapshot_append.default
+
+
+class Bucket:
+    """Static inputs and outputs of one (pass, rows bucket)."""
+
+    def __init__(self, rows: int, inputs: dict, outputs: dict, staging: dict):
+        self.rows, self.inputs, self.outputs, self.staging = rows, inputs, outputs, staging
+
+
+class Session:
+    def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.package, self.device = package, torch.device(device)
+        self.slots, self.scratch_slot = slots, slots  # one extra slot absorbs padding rows
+        all_buckets = sorted({b for p in package.passes.values() for b in p.rows_buckets})
+        self.max_rows = max_rows or all_buckets[-1]
+        self.seq_lens = [0] * (slots + 1)  # host mirror of cache.seq_len: validation needs no sync
+        self.weights = {k: v.to(self.device) for k, v in package.weights.items()}
+        self.caches, self.staging = {}, {}
+        self._bind(buffers or {})
+        self.buckets = {name: self._prepare(info) for name, info in package.passes.items()}
+        self.modules = {name: info.program.module() for name, info in package.passes.items()}
+
+    # -- binding ------------------------------------------------------------------------
+
+    def _shared_specs(self) -> dict[str, BufferSpec]:
+        specs = {}
+        for info in self.package.passes.values():
+            for spec in info.inputs:
+                if spec.role in ("cache", "staging"):
+                    if specs.setdefault(spec.name, spec) != spec:
+                        raise BufferError(f"{spec.name}: passes disagree on its spec")
+        return specs
+
+    def _bind(self, given: dict) -> None:
+        symbols = {"slots": self.slots + 1, "rows": self.max_rows}
+        unknown = set(given) - set(self._shared_specs())
+        if unknown:
+            raise BufferError(f"{sorted(unknown)[0]}: not a cache or staging buffer of this package")
+        for name, spec in self._shared_specs().items():
+            shape = spec.resolve(symbols)
+            tensor = given.get(name)
+            if tensor is None:
+                tensor = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
+            check_buffer(spec, tensor, shape, self.device)
+            (self.caches if spec.role == "cache" else self.staging)[name] = tensor
+
+    def _prepare(self, info) -> dict[int, Bucket]:
+        for node in info.program.graph.nodes:
+            if node.op == "call_function" and node.target == FUSED:
+                args = dict(zip((a.name for a in FUSED._schema.arguments), node.args))
+                check_fused_window(args["history"], args["layout"], args["page_size"], where=f"pass {info.name}")
+        buckets = {}
+        for rows in (b for b in info.rows_buckets if b <= self.max_rows):
+            make = lambda s: torch.zeros(s.resolve({"rows": rows}), dtype=s.torch_dtype, device=self.device)
+            inputs = {s.name: make(s) for s in info.inputs if s.role == "input"}
+            outputs = {s.name: make(s) for s in info.outputs}
+            staging = {s.name: self.staging[s.name][:rows] for s in info.inputs if s.role == "staging"}
+            buckets[rows] = Bucket(rows, inputs, outputs, staging)
+        if not buckets:
+            raise BufferError(f"pass {info.name}: no rows bucket fits max_rows={self.max_rows}; buckets {info.rows_buckets}")
+        return buckets
+
+    # -- replay -------------------------------------------------------------------------
+
+    def bucket_for(self, pass_name: str, rows: int) -> Bucket:
+        for size, bucket in sorted(self.buckets[pass_name].items()):
+            if size >= rows:
+                return bucket
+        raise ValueError(f"pass {pass_name}: {rows} rows exceed the largest prepared bucket {max(self.buckets[pass_name])}")
+
+    def replay(self, pass_name: str, **values) -> dict[str, torch.Tensor]:
+        """Run one pass for len(row_ids) rows; returns views of the static outputs."""
+        if pass_name not in self.buckets:
+            raise ValueError(f"unknown pass {pass_name!r}; this package has {sorted(self.buckets)}")
+        info = self.package.passes[pass_name]
+        tensors = validate_inputs(self, info, values)
+        n = tensors["row_ids"].shape[0]
+        bucket = self.bucket_for(pass_name, n)
+        for name, static in bucket.inputs.items():
+            static[:n].copy_(tensors[name])
+            static[n:] = self.scratch_slot if name == "row_ids" else 0
+        caches = {s.name: self.caches[s.name] for s in info.inputs if s.role == "cache"}
+        result = self.modules[pass_name](self.weights_for(info), caches, bucket.staging, bucket.inputs)
+        for name, out in bucket.outputs.items():
+            out.copy_(result[name])
+        self._advance(pass_name, tensors)
+        return {name: out[:n] for name, out in bucket.outputs.items()}
+
+    def weights_for(self, info) -> dict:
+        return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}
+
+    def _advance(self, pass_name: str, tensors: dict) -> None:
+        step = {"prefill": "lengths", "commit": "accept_len"}.get(pass_name)
+        if step is None:
+            return
+        for slot, pos, count in zip(tensors["row_ids"].tolist(), tensors["positions"].tolist(), tensors[step].tolist()):
+            self.seq_lens[slot] = pos + count
+
+    def reset_slot(self, slot: int) -> None:
+        """Hand a slot to a new request: its old rows become invisible (positions restart)."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is out of range [0, {self.slots})")
+        self.seq_lens[slot] = 0
+        self.caches["cache.seq_len"][slot] = 0
+
+    def reusable_storage(self) -> list[torch.Tensor]:
+        """Every buffer a replay may overwrite without notice: staging, static inputs, outputs."""
+        out = list(self.staging.values())
+        for buckets in self.buckets.values():
+            for bucket in buckets.values():
+                out += list(bucket.inputs.values()) + list(bucket.outputs.values())
+        return out
+
+    def buffer_addresses(self) -> dict[str, tuple[int, int]]:
+        """(data pointer, bytes) of every caller-owned buffer and static input/output."""
+        out = {n: (t.data_ptr(), t.nbytes) for n, t in {**self.caches, **self.staging}.items()}
+        for pass_name, buckets in self.buckets.items():
+            for rows, bucket in buckets.items():
+                for n, t in {**bucket.inputs, **bucket.outputs}.items():
+                    out[f"{pass_name}[{rows}].{n}"] = (t.data_ptr(), t.nbytes)
+        return out
