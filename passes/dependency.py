@@ -8,6 +8,8 @@ mutation annotations. Rewrites ask this graph whether moving a node is legal.
 
 from __future__ import annotations
 
+import operator
+
 import networkx as nx
 import torch.fx
 
@@ -16,25 +18,42 @@ def _schema(node: torch.fx.Node):
     return getattr(node.target, "_schema", None) if node.op == "call_function" else None
 
 
+def _nodes_in(arg) -> list[torch.fx.Node]:
+    """Every node inside an argument, including those nested in lists (`cat([a, b])`)."""
+    found = []
+    torch.fx.node.map_arg(arg, found.append)
+    return found
+
+
 def tensor_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, bool]]:
     """(argument node, is_written) for every node argument, from the op schema."""
     schema = _schema(node)
     out = []
     for i, arg in enumerate(node.args):
-        if isinstance(arg, torch.fx.Node):
-            written = False
-            if schema is not None and i < len(schema.arguments):
-                info = schema.arguments[i].alias_info
-                written = bool(info and info.is_write)
-            out.append((arg, written))
-    for arg in node.kwargs.values():
-        if isinstance(arg, torch.fx.Node):
-            out.append((arg, False))
+        written = False
+        if schema is not None and i < len(schema.arguments):
+            info = schema.arguments[i].alias_info
+            written = bool(info and info.is_write)
+        out += [(n, written) for n in _nodes_in(arg)]
+    if schema is not None:
+        by_name = {a.name: a for a in schema.arguments}
+        for name, arg in node.kwargs.items():
+            info = by_name[name].alias_info if name in by_name else None
+            out += [(n, bool(info and info.is_write)) for n in _nodes_in(arg)]
+    else:
+        for arg in node.kwargs.values():
+            out += [(n, False) for n in _nodes_in(arg)]
     return out
 
 
 def _aliases_input(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The input a view op's result aliases (schema `Tensor(a) self -> Tensor(a)`)."""
+    """The input a view op's result aliases (schema `Tensor(a) self -> Tensor(a)`).
+
+    Pieces of a multi-output view (`split`, `unbind`, `chunk`) are taken with
+    `operator.getitem`, which has no schema: a piece aliases what it was taken from.
+    """
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
     schema = _schema(node)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None
@@ -53,7 +72,8 @@ def dependency_graph(graph: torch.fx.Graph) -> nx.DiGraph:
         dag.add_node(node, order=order)
         aliased = _aliases_input(node)
         root[node] = root.get(aliased, aliased) if aliased is not None else node
-        for arg, written in tensor_args(node):
+        args = tensor_args(node) if node.op != "output" else [(n, False) for n in _nodes_in(node.args)]
+        for arg, written in args:
             dag.add_edge(arg, node, kind="data")
             base = root.get(arg, arg)
             if base in last_write and last_write[base] is not node:

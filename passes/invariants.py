@@ -18,7 +18,8 @@ KNOWN_OPS = set(OPS.values())
 def signature(graph: torch.fx.Graph) -> tuple:
     placeholders = tuple(n.name for n in graph.nodes if n.op == "placeholder")
     output = next(n for n in graph.nodes if n.op == "output")
-    return placeholders, len(torch.fx.node.map_arg(output.args, lambda n: n) or ())
+    results = output.args[0]
+    return placeholders, len(results) if isinstance(results, (tuple, list)) else 1
 
 
 def check_invariants(gm: torch.fx.GraphModule, before: tuple) -> list[str]:

@@ -106,13 +106,14 @@ def _check_files(root: Path, manifest: dict) -> dict[str, bytes]:
     listed = manifest.get("files")
     if not isinstance(listed, dict) or not listed:
         raise PackageError("manifest.json: 'files' is missing or empty")
+    paths = {name: _safe_member(root, name) for name in sorted(listed)}
     present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() or p.is_symlink()} - {"manifest.json"}
     extra = sorted(present - set(listed))
     if extra:
         raise PackageError(f"{extra[0]}: file is not listed in manifest.json")
     contents = {}
     for name, expected in sorted(listed.items()):
-        path = _safe_member(root, name)
+        path = paths[name]
         if not path.is_file():
             raise PackageError(f"{name}: listed in manifest.json but missing")
         data = path.read_bytes()

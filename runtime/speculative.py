@@ -42,8 +42,11 @@ class Row:
 
 
 class Decoder:
-    def __init__(self, session):
+    def __init__(self, session, drafter=None):
+        """`drafter(rows) -> list of draft lists` replaces the draft pass (e.g. an external drafter)."""
         self.session = session
+        self.drafter = drafter
+        self.margins: dict[int, list[float]] = {}  # slot -> top-2 logit gap behind each token
         self.verify_width = session.package.passes["verify"].width
         self.draft_width = session.package.passes["draft"].width
         self.chunk = session.package.passes["prefill"].width
@@ -65,6 +68,7 @@ class Decoder:
             last = out["logits"][0, len(piece) - 1]
         row.pending = int(last.argmax())
         row.tokens.append(row.pending)
+        self.margins[slot] = [_margin(last)]
         self.stats.prefill_tokens += len(prompt)
         return row
 
@@ -72,7 +76,9 @@ class Decoder:
         """One decoding step for all rows together; appends 1 to verify_width tokens per row."""
         slots = [r.slot for r in rows]
         positions = [r.length for r in rows]
-        if speculative:
+        if speculative and self.drafter is not None:
+            drafts = [list(d) for d in self.drafter(rows)]
+        elif speculative:
             block = [[r.pending] + [self.noise] * (self.draft_width - 1) for r in rows]
             draft = self.session.replay("draft", tokens=block, row_ids=slots, positions=positions)
             drafts = draft["logits"].argmax(-1).tolist()
@@ -80,9 +86,10 @@ class Decoder:
             drafts = [[self.noise] * (self.verify_width - 1) for _ in rows]
         candidates = [[r.pending] + d for r, d in zip(rows, drafts)]
         verify = self.session.replay("verify", tokens=candidates, row_ids=slots, positions=positions)
-        targets = verify["logits"].argmax(-1).tolist()
+        logits = verify["logits"]
+        targets = logits.argmax(-1).tolist()
         accept = []
-        for row, drafted, target in zip(rows, drafts, targets):
+        for i, (row, drafted, target) in enumerate(zip(rows, drafts, targets)):
             k = 0
             if speculative:
                 while k < len(drafted) and drafted[k] == target[k]:
@@ -91,6 +98,7 @@ class Decoder:
                 self.stats.accepted += k
             row.tokens += target[: k + 1]  # accepted drafts equal the target's picks, then the bonus
             row.pending = target[k]
+            self.margins[row.slot] += [_margin(logits[i, j]) for j in range(k + 1)]
             accept.append(k + 1)
             self.stats.generated += k + 1
         self.session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
@@ -113,3 +121,9 @@ class Decoder:
                 self.step(active[i : i + self.session.max_rows], speculative)
         self.stats.seconds += time.perf_counter() - start
         return [r.tokens[:max_new_tokens] for r in rows]
+
+
+def _margin(logits: torch.Tensor) -> float:
+    """Gap between the two largest logits: how close the argmax was to a tie."""
+    top = logits.topk(2).values
+    return float(top[0] - top[1])

@@ -1,0 +1,90 @@
+"""Shared fixtures: packages of the tiny recipe, exported once per test run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import yaml
+
+from b12x.exporter.export import export_package
+from b12x.exporter.recipe import load_recipe, parse_recipe
+from b12x.runtime import load
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe():
+    return load_recipe("dsv41-tiny")
+
+
+def recipe_variant(base, changes: dict, name: str | None = None):
+    """The recipe with dotted-path keys replaced, parsed like a user's YAML file."""
+    data = copy.deepcopy(base.normalized())
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = data
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[leaf] = value
+    if name:
+        data["name"] = name
+    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+
+
+SMALL = {  # one window-only and one ratio-2 layer, one draft stage: exports in seconds
+    "model.num_layers": 2,
+    "model.compress_ratios": [0, 2, 0],
+    "model.draft.stages": 1,
+    "model.draft.target_layer_ids": [1],
+    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 1, "commit": 0},
+}
+
+
+@pytest.fixture(scope="session")
+def small_recipe(tiny_recipe):
+    return recipe_variant(tiny_recipe, SMALL, name="dsv41-small")
+
+
+@pytest.fixture(scope="session")
+def fused_path(tiny_recipe, tmp_path_factory):
+    return export_package(tiny_recipe, tmp_path_factory.mktemp("fused")).path
+
+
+@pytest.fixture(scope="session")
+def unfused_path(tiny_recipe, tmp_path_factory):
+    return export_package(tiny_recipe, tmp_path_factory.mktemp("unfused"), fuse=False).path
+
+
+@pytest.fixture(scope="session")
+def fused_pkg(fused_path):
+    return load(fused_path)
+
+
+@pytest.fixture(scope="session")
+def unfused_pkg(unfused_path):
+    return load(unfused_path)
+
+
+def poison(session) -> None:
+    """Fill every reusable buffer with garbage: 0xFF bytes, NaN floats, -1 integers."""
+    for tensor in session.reusable_storage():
+        if tensor.dtype == torch.uint8:
+            tensor.fill_(0xFF)
+        elif tensor.dtype.is_floating_point:
+            tensor.fill_(float("nan"))
+        else:
+            tensor.fill_(-1)
+
+
+def random_tokens(gen: torch.Generator, count: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (count,), generator=gen).tolist()

@@ -1,0 +1,198 @@
+"""Pass manager: pipeline records, invariant checks after every pass, and error naming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import b12x.runtime.ops  # noqa: F401  (registers the b12x op set)
+from b12x.passes.fuse_window_snapshot import FuseWindowSnapshot
+from b12x.passes.invariants import check_invariants, signature
+from b12x.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x.runtime.layout import staging_shape
+
+ops = torch.ops.b12x
+
+ROWS, SLOTS, WIDTH, DIM, ROW_BYTES = 2, 3, 8, 64, 66
+HISTORY, LAYOUT, PAGE, FMT = 128, "NHD", 16, "mxfp8"
+TOKENS = HISTORY + WIDTH
+GRAPH = "verify"  # the graph name every failure message must carry
+
+
+# An op in the b12x namespace that op set v1 does not list: a graph using it must be
+# refused, since no server implements it.
+@torch.library.custom_op("b12x::not_in_opset", mutates_args=())
+def not_in_opset(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+not_in_opset.register_fake(lambda x: torch.empty_like(x))
+
+
+def layer_inputs() -> tuple:
+    """(ring, staging, kv, row_ids, positions)."""
+    return (
+        torch.zeros(SLOTS, HISTORY, ROW_BYTES, dtype=torch.uint8),
+        torch.zeros(staging_shape(ROWS, TOKENS, ROW_BYTES, LAYOUT, PAGE), dtype=torch.uint8),
+        torch.zeros(ROWS, WIDTH, DIM),
+        torch.zeros(ROWS, dtype=torch.int32),
+        torch.zeros(ROWS, dtype=torch.int32),
+    )
+
+
+class Layer(torch.nn.Module):
+    """One staged window layer with two outputs (history and whole window)."""
+
+    def forward(self, ring, staging, kv, row_ids, positions):
+        ops.window_snapshot(ring, staging, row_ids, positions, HISTORY, LAYOUT, PAGE)
+        ops.cache_append(staging, kv, HISTORY, LAYOUT, PAGE, FMT)
+        return ops.window_read(staging, TOKENS, DIM, FMT), ops.window_read(staging, HISTORY, DIM, FMT)
+
+
+def layer_graph() -> torch.fx.GraphModule:
+    return torch.export.export(Layer(), layer_inputs(), strict=False).graph_module
+
+
+def find(gm: torch.fx.GraphModule, op: str, target=None) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.op == op and (target is None or n.target == target))
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def test_records_nodes_and_matches():
+    gm = layer_graph()
+    records = run_pipeline(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
+    # call_function nodes only: snapshot, append, two reads -> fused op, two reads.
+    assert records == [PassRecord("fuse_window_snapshot", True, 1, 4, 3)]
+    assert records[0].to_json() == {"matches": 1, "nodes_before": 4, "nodes_after": 3}
+
+    # A second run finds nothing left to fuse and says so.
+    again = run_pipeline(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
+    assert again == [PassRecord("fuse_window_snapshot", False, 0, 3, 3)]
+
+
+def test_records_passes_without_a_match_count():
+    class Noop:
+        name = "noop"
+
+        def __call__(self, gm):
+            return False
+
+    records = run_pipeline(layer_graph(), [Noop(), FuseWindowSnapshot()], GRAPH)
+    assert [(r.name, r.changed, r.matches, r.nodes_before, r.nodes_after) for r in records] == [
+        ("noop", False, 0, 4, 4),
+        ("fuse_window_snapshot", True, 1, 4, 3),
+    ]
+
+
+def test_build_pipeline():
+    pipeline = build_pipeline(["fuse_window_snapshot"])
+    assert len(pipeline) == 1 and isinstance(pipeline[0], FuseWindowSnapshot)
+    assert build_pipeline([]) == []
+
+
+def test_build_pipeline_unknown_name():
+    with pytest.raises(PassError) as info:
+        build_pipeline(["fuse_window_snapshot", "nope"])
+    message = str(info.value)
+    assert "'nope'" in message
+    assert "known passes" in message and "fuse_window_snapshot" in message
+
+
+# ----------------------------------------------------------------------------- broken passes
+
+
+def erase_read_still_returned(gm):
+    """Erases a user of the staging placeholder that the output still returns."""
+    read = find(gm, "call_function", ops.window_read.default)
+    read.users.clear()  # erase_node refuses a node with users; force it
+    gm.graph.erase_node(read)
+
+
+def mutate_a_temporary(gm):
+    """Appends into a clone of the staging buffer: a mutation no caller can see."""
+    staging, kv = find(gm, "placeholder", "staging"), find(gm, "placeholder", "kv")
+    with gm.graph.inserting_before(find(gm, "output")):
+        tmp = gm.graph.call_function(torch.ops.aten.clone.default, (staging,))
+        gm.graph.call_function(ops.cache_append.default, (tmp, kv, HISTORY, LAYOUT, PAGE, FMT))
+
+
+def rename_placeholder(gm):
+    find(gm, "placeholder", "kv").name = "kv_renamed"
+
+
+def drop_an_output(gm):
+    output = find(gm, "output")
+    (outputs,) = output.args
+    output.args = (outputs[:1],)
+
+
+def add_op_outside_the_opset(gm):
+    kv = find(gm, "placeholder", "kv")
+    with gm.graph.inserting_before(find(gm, "output")):
+        gm.graph.call_function(torch.ops.b12x.not_in_opset.default, (kv,))
+
+
+BROKEN = {
+    # pass body: what the failure message must say about it
+    "erase_read_still_returned": (erase_read_still_returned, "graph lint failed"),
+    "mutate_a_temporary": (mutate_a_temporary, "mutates clone_default, which is not a graph input"),
+    "rename_placeholder": (rename_placeholder, "calling convention changed"),
+    "drop_an_output": (drop_an_output, "calling convention changed"),
+    "add_op_outside_the_opset": (add_op_outside_the_opset, "not in op set v1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_pass_is_named(case):
+    body, problem = BROKEN[case]
+
+    class BreakGraph:
+        name = "break_graph"
+
+        def __call__(self, gm):
+            body(gm)
+            return True
+
+    with pytest.raises(PassError) as info:
+        run_pipeline(layer_graph(), [FuseWindowSnapshot(), BreakGraph()], GRAPH)
+    message = str(info.value)
+    assert "break_graph" in message
+    assert f"{GRAPH} graph" in message
+    assert problem in message
+    assert "fuse_window_snapshot" not in message  # the pass before it did nothing wrong
+
+
+def test_raising_pass_is_named():
+    class Explode:
+        name = "explode"
+
+        def __call__(self, gm):
+            raise ValueError("boom")
+
+    with pytest.raises(PassError) as info:
+        run_pipeline(layer_graph(), [Explode()], GRAPH)
+    message = str(info.value)
+    assert "explode" in message and f"{GRAPH} graph" in message and "boom" in message
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+def test_clean_graph_has_no_problems():
+    gm = layer_graph()
+    assert check_invariants(gm, signature(gm.graph)) == []
+    FuseWindowSnapshot()(gm)
+    assert check_invariants(gm, signature(layer_graph().graph)) == []
+
+
+def test_op_outside_the_opset_is_reported():
+    class UsesUnknownOp(torch.nn.Module):
+        def forward(self, kv):
+            return torch.ops.b12x.not_in_opset(kv)
+
+    gm = torch.export.export(UsesUnknownOp(), (torch.zeros(ROWS, WIDTH, DIM),), strict=False).graph_module
+    problems = check_invariants(gm, signature(gm.graph))
+    assert problems == ["not_in_opset: b12x.not_in_opset.default is not in op set v1"]
