@@ -11,6 +11,7 @@ before a replay changes no output.
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
 from b12x.runtime.abi import BufferSpec
 from b12x.runtime.qualify import check_fused_window
@@ -20,10 +21,19 @@ FUSED = torch.ops.b12x.window_snapshot_append.default
 
 
 class Bucket:
-    """Static inputs and outputs of one (pass, rows bucket)."""
+    """Static inputs and outputs of one (pass, rows bucket), and the graph's argument list.
 
-    def __init__(self, rows: int, inputs: dict, outputs: dict, staging: dict):
+    Every argument is a fixed tensor (weights, caches, staging views, static inputs), so the
+    flat argument list is built once; a replay calls the graph on it directly, with no
+    pytree or shape-guard work (the session validated the values already).
+    """
+
+    def __init__(self, rows: int, inputs: dict, outputs: dict, staging: dict, graph, args: list, out_spec):
         self.rows, self.inputs, self.outputs, self.staging = rows, inputs, outputs, staging
+        self.graph, self.args, self.out_spec = graph, args, out_spec
+
+    def run(self) -> dict:
+        return pytree.tree_unflatten(list(self.graph(*self.args)), self.out_spec)
 
 
 class Session:
@@ -39,7 +49,6 @@ class Session:
         self.caches, self.staging = {}, {}
         self._bind(buffers or {})
         self.buckets = {name: self._prepare(info) for name, info in package.passes.items()}
-        self.modules = {name: info.program.module() for name, info in package.passes.items()}
 
     # -- binding ------------------------------------------------------------------------
 
@@ -76,7 +85,12 @@ class Session:
             inputs = {s.name: make(s) for s in info.inputs if s.role == "input"}
             outputs = {s.name: make(s) for s in info.outputs}
             staging = {s.name: self.staging[s.name][:rows] for s in info.inputs if s.role == "staging"}
-            buckets[rows] = Bucket(rows, inputs, outputs, staging)
+            caches = {s.name: self.caches[s.name] for s in info.inputs if s.role == "cache"}
+            args, spec = pytree.tree_flatten(((self.weights_for(info), caches, staging, inputs), {}))
+            if spec != info.program.call_spec.in_spec:
+                raise BufferError(f"pass {info.name}: bound buffers do not match the graph's inputs")
+            buckets[rows] = Bucket(rows, inputs, outputs, staging, info.program.graph_module, args,
+                                   info.program.call_spec.out_spec)
         if not buckets:
             raise BufferError(f"pass {info.name}: no rows bucket fits max_rows={self.max_rows}; buckets {info.rows_buckets}")
         return buckets
@@ -100,8 +114,7 @@ class Session:
         for name, static in bucket.inputs.items():
             static[:n].copy_(tensors[name])
             static[n:] = self.scratch_slot if name == "row_ids" else 0
-        caches = {s.name: self.caches[s.name] for s in info.inputs if s.role == "cache"}
-        result = self.modules[pass_name](self.weights_for(info), caches, bucket.staging, bucket.inputs)
+        result = bucket.run()
         for name, out in bucket.outputs.items():
             out.copy_(result[name])
         self._advance(pass_name, tensors)
