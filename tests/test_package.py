@@ -38,7 +38,7 @@ def test_manifest_records_what_the_abi_says(fused_pkg, tiny_recipe):
     assert m["format_version"] == "1.0" and m["opset_version"] == 1
     assert m["recipe_sha256"] == tiny_recipe.sha256()
     assert m["passes"]["verify"]["width"] == 8 and m["passes"]["draft"]["width"] == 7
-    assert m["passes"]["verify"]["rows_buckets"] == [1, 2, 4]
+    assert m["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8]
     assert set(m["files"]) == {"graphs/prefill.pt2", "graphs/verify.pt2", "graphs/draft.pt2",
                                "graphs/commit.pt2", "weights.safetensors"}
     assert {"torch", "b12x", "safetensors", "flashinfer_pin"} <= set(m["versions"])
