@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic import ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from b12x.runtime.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
 from b12x.exporter.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 
 __all__ = [
@@ -251,7 +252,28 @@ class Recipe(_Spec):
         for i, rewrite in enumerate(self.rewrites):
             if any(r.name == rewrite.name for r in self.rewrites[:i]):
                 raise _problem(f"rewrite {rewrite.name!r} is listed twice", ("rewrites", i, "name"))
+            if rewrite.name == "fuse_window_snapshot":
+                self._check_window_fusion(i, rewrite)
         return self
+
+    def _check_window_fusion(self, index: int, rewrite: RewriteSpec) -> None:
+        """Refuse at the recipe's own line what export would refuse after minutes of capture."""
+        staging = self.cache.staging
+        for key, value, qualified in (
+            (("cache", "history"), self.cache.history, QUALIFIED_HISTORY),
+            (("cache", "staging", "layout"), staging.layout, QUALIFIED_LAYOUTS),
+            (("cache", "staging", "page_size"), staging.page_size, QUALIFIED_PAGE_SIZES),
+        ):
+            if value not in qualified:
+                raise _problem(f"{value!r} is not supported by the fused window snapshot append "
+                               f"(qualified: {', '.join(map(str, qualified))}); drop fuse_window_snapshot "
+                               f"from rewrites to export unfused", key)
+        # Sites: one snapshot per target layer in verify, per draft stage in draft, none elsewhere.
+        sites = {"prefill": 0, "verify": self.model.num_layers, "draft": self.model.draft.stages, "commit": 0}
+        for pass_name, expected in rewrite.expect_matches.items():
+            if expected > sites[pass_name]:
+                raise _problem(f"{expected} matches are impossible: the {pass_name} graph has {sites[pass_name]} "
+                               f"window snapshot sites", ("rewrites", index, "expect_matches", pass_name))
 
     def normalized(self) -> dict[str, Any]:
         """All fields, defaults filled, as plain JSON data with keys sorted recursively."""

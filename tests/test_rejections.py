@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from b12x.exporter.export import ExportError, export_package
+from b12x.exporter.recipe import RecipeError
 from b12x.passes.fuse_window_snapshot import REWRITE
 from b12x.runtime import load
 from b12x.runtime.qualify import UnsupportedConfiguration
@@ -19,36 +20,55 @@ def _no_leftovers(directory):
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.parametrize("changes, value, supported", [
-    ({"model.window": 64, "cache.history": 64, "passes.prefill.chunk": 64}, "history length 64", r"\[128\]"),
-    ({"cache.staging.layout": "HND"}, "staging layout 'HND'", r"\['NHD'\]"),
-    ({"cache.staging.page_size": 8}, "staging page size 8", r"\[16, 32, 64, 128\]"),
+@pytest.mark.parametrize("changes, key, value", [
+    ({"model.window": 64, "cache.history": 64}, "cache.history", "64 is not supported .*qualified: 128"),
+    ({"cache.staging.layout": "HND"}, "cache.staging.layout", "'HND' is not supported .*qualified: NHD"),
+    ({"cache.staging.page_size": 8}, "cache.staging.page_size", "8 is not supported .*qualified: 16, 32, 64, 128"),
 ])
-def test_export_refuses_unqualified_fusion(small_recipe, tmp_path, changes, value, supported):
-    recipe = recipe_variant(small_recipe, changes)
-    with pytest.raises(ExportError, match=value + r".*" + supported):
-        export_package(recipe, tmp_path)
-    assert _no_leftovers(tmp_path) == []  # no package, no partial directory
+def test_recipe_refuses_unqualified_fusion_at_its_key(small_recipe, changes, key, value):
+    with pytest.raises(RecipeError, match=rf"dsv41-small.yaml:\d+: {key}: {value}"):
+        recipe_variant(small_recipe, changes)
+
+
+def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
+    """Defence in depth: a graph reaching the pass with an unqualified site still fails export."""
+    from b12x.exporter.capture import capture
+    from b12x.exporter.dims import Dims
+    from b12x.exporter.pass_modules import VerifyPass
+    from b12x.exporter.weights import init_weights
+    from b12x.passes.manager import PassError, build_pipeline, run_pipeline
+
+    recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
+    dims = Dims.from_recipe(recipe)
+    program = capture(VerifyPass(dims), init_weights(dims, 0))
+    with pytest.raises(PassError, match=r"pass fuse_window_snapshot failed on the verify graph: .*history length 64"):
+        run_pipeline(program.graph_module, build_pipeline(["fuse_window_snapshot"]), "verify")
+
+
+def test_recipe_refuses_impossible_match_counts(small_recipe):
+    counts = {"prefill": 0, "verify": 3, "draft": 1, "commit": 0}
+    with pytest.raises(RecipeError, match=r"rewrites\[0\]\.expect_matches\.verify: 3 matches are impossible"):
+        recipe_variant(small_recipe, {"rewrites.0.expect_matches": counts})
 
 
 def test_unfused_export_accepts_what_the_fused_op_does_not(small_recipe, tmp_path):
     # The unfused ops handle any history and layout; only the fused op is restricted.
-    recipe = recipe_variant(small_recipe, {"cache.staging.layout": "HND", "cache.staging.page_size": 8})
+    recipe = recipe_variant(small_recipe, {"cache.staging.layout": "HND", "cache.staging.page_size": 8, "rewrites": []})
     path = export_package(recipe, tmp_path, fuse=False).path
     session = load(path).session(slots=1)
-    assert session.staging["staging.verify.layer0.window"].shape == (4, 17, 1, 8, 66)
+    assert session.staging["staging.verify.layer0.window"].shape == (8, 17, 1, 8, 66)
 
 
 def test_wrong_match_count_fails_export_and_leaves_nothing(small_recipe, tmp_path):
-    recipe = recipe_variant(small_recipe, {"rewrites.0.expect_matches": {"prefill": 0, "verify": 5, "draft": 1, "commit": 0}})
-    with pytest.raises(ExportError, match="found 2 matches in the verify graph; the recipe expects 5"):
+    recipe = recipe_variant(small_recipe, {"rewrites.0.expect_matches": {"prefill": 0, "verify": 1, "draft": 1, "commit": 0}})
+    with pytest.raises(ExportError, match="found 2 matches in the verify graph; the recipe expects 1"):
         export_package(recipe, tmp_path)
     assert _no_leftovers(tmp_path) == []
 
 
 def test_session_refuses_a_fused_graph_for_an_unqualified_history(small_recipe, tmp_path):
     """A package fused by another tool for history 64 is refused when buffers are bound."""
-    recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64})
+    recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
     package = load(export_package(recipe, tmp_path, fuse=False).path)
     unchecked = dataclasses.replace(REWRITE, check=None)
     assert unchecked.apply(package.passes["verify"].program.graph_module) == 2
