@@ -35,7 +35,14 @@ def weights_bytes(weights: dict[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save(ordered, metadata={"format": "pt"})
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest without its own digest: catches a flipped byte in it."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 def manifest_bytes(manifest: dict) -> bytes:
+    manifest = {**manifest, "manifest_sha256": manifest_digest(manifest)}
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 

@@ -61,3 +61,31 @@ def check_archive(name: str, data: bytes) -> None:
                 refuse(f"archive entry {entry.filename!r} declares weights or constants; expected none")
     if "archive/models/model.json" not in names:
         refuse("archive has no archive/models/model.json graph")
+
+
+ALLOWED_NAMESPACES = ("aten", "b12x")
+ALLOWED_PYTHON = {"operator.getitem"}
+
+
+def check_graph_ops(name: str, graph) -> None:
+    """A graph may call aten ops, the b12x op set and getitem: nothing that reaches files,
+    processes or other libraries' ops (a replay must only compute)."""
+    from b12x.runtime.ops import OPS
+    from b12x.runtime.package import PackageError
+
+    known = set(OPS.values())
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op != "call_function":
+            raise PackageError(f"{name}: node {node.name} is a {node.op}; graphs may only call functions")
+        target = node.target
+        namespace = getattr(target, "namespace", None)
+        if namespace == "b12x" and target in known:
+            continue
+        if namespace == "aten":
+            continue
+        qualified = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
+        if qualified.replace("_operator.", "operator.") in ALLOWED_PYTHON:
+            continue
+        raise PackageError(f"{name}: node {node.name} calls {target}, which is outside op set v1 and aten")

@@ -17,7 +17,7 @@ import torch
 
 from b12x.runtime import ops as _ops  # noqa: F401  (graphs need the op set registered)
 from b12x.runtime.abi import BufferSpec, fingerprint
-from b12x.runtime.graph_archive import check_archive
+from b12x.runtime.graph_archive import check_archive, check_graph_ops
 from b12x.runtime.ops import OPSET_VERSION
 
 FORMAT_VERSION = "1.0"  # major.minor: a newer major is refused, an older minor accepted
@@ -79,6 +79,13 @@ def _read_manifest(root: Path) -> dict:
     return manifest
 
 
+def _check_digest(manifest: dict) -> None:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    if manifest.get("manifest_sha256") != digest:
+        raise PackageError("manifest.json: manifest_sha256 does not match its contents (corrupted or edited)")
+
+
 def _check_versions(manifest: dict) -> None:
     major, minor = _major_minor(manifest.get("format_version"))
     ours = _major_minor(FORMAT_VERSION)
@@ -97,8 +104,11 @@ def _safe_member(root: Path, name: str) -> Path:
     if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts or "\\" in name:
         raise PackageError(f"manifest.json: file name {name!r} points outside the package")
     path = root / name
-    if path.is_symlink() or any(p.is_symlink() for p in path.parents if p != root.parent and root in (p, *p.parents)):
-        raise PackageError(f"{name}: is a symbolic link; packages contain plain files only")
+    # Every component below the package root must be a real directory or file.
+    for part in [path, *path.relative_to(root).parents]:
+        candidate = root / part if part != path else path
+        if candidate != root and candidate.is_symlink():
+            raise PackageError(f"{candidate.relative_to(root)}: is a symbolic link; packages contain plain files only")
     return path
 
 
@@ -137,6 +147,7 @@ def _pass_info(name: str, entry: dict, contents: dict[str, bytes]) -> PassInfo:
     except (KeyError, TypeError, ValueError) as exc:
         raise PackageError(f"manifest.json: passes.{name}: bad calling convention ({exc})") from None
     program = torch.export.load(io.BytesIO(contents[graph]))
+    check_graph_ops(graph, program.graph)
     return PassInfo(name, program, inputs, outputs, list(entry["rows_buckets"]), int(entry["width"]))
 
 
@@ -146,6 +157,7 @@ def load(path) -> Package:
         raise PackageError(f"{root}: not a package directory")
     manifest = _read_manifest(root)
     _check_versions(manifest)
+    _check_digest(manifest)
     contents = _check_files(root, manifest)
     passes_json = manifest.get("passes")
     if not isinstance(passes_json, dict) or not passes_json:

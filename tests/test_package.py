@@ -53,10 +53,21 @@ def copy_of(fused_path, tmp_path):
     return target
 
 
-def _edit_manifest(root: Path, edit) -> None:
+def _edit_manifest(root: Path, edit, resign: bool = True) -> None:
+    """Edit the manifest like a deliberate tamperer would: re-computing its own digest."""
+    from b12x.exporter.package_writer import manifest_digest
+
     manifest = json.loads((root / "manifest.json").read_text())
     edit(manifest)
+    if resign:
+        manifest["manifest_sha256"] = manifest_digest(manifest)
     (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_load_refuses_a_manifest_edited_without_its_digest(copy_of):
+    _edit_manifest(copy_of, lambda m: m["passes"]["verify"].update(rows_buckets=[1, 2, 4, 9]), resign=False)
+    with pytest.raises(PackageError, match="manifest_sha256 does not match its contents"):
+        load(copy_of)
 
 
 def test_load_refuses_a_file_whose_hash_differs(copy_of):
