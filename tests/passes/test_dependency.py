@@ -11,28 +11,10 @@ import torch
 
 import b12x.runtime.ops  # noqa: F401  (registers the b12x op set)
 from b12x.passes.dependency import dependency_graph, order, tensor_args
-from b12x.runtime.layout import staging_shape
 
-ops = torch.ops.b12x
-
-ROWS, SLOTS, WIDTH, DIM, ROW_BYTES = 2, 3, 8, 64, 66
-HISTORY, LAYOUT, PAGE, FMT = 128, "NHD", 16, "mxfp8"
-TOKENS = HISTORY + WIDTH
-
-
-def layer_inputs() -> tuple:
-    """(ring, staging, kv, row_ids, positions)."""
-    return (
-        torch.zeros(SLOTS, HISTORY, ROW_BYTES, dtype=torch.uint8),
-        torch.zeros(staging_shape(ROWS, TOKENS, ROW_BYTES, LAYOUT, PAGE), dtype=torch.uint8),
-        torch.zeros(ROWS, WIDTH, DIM),
-        torch.zeros(ROWS, dtype=torch.int32),
-        torch.zeros(ROWS, dtype=torch.int32),
-    )
-
-
-def export(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
-    return torch.export.export(module, args, strict=False).graph_module
+from .layer_graphs import (  # noqa: F401
+    ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,
+)
 
 
 def memory_edges(dag) -> set:

@@ -15,42 +15,9 @@ from b12x.passes.fuse_window_snapshot import FuseWindowSnapshot
 from b12x.runtime.layout import staging_shape
 from b12x.runtime.qualify import UnsupportedConfiguration
 
-ops = torch.ops.b12x
-
-ROWS, SLOTS, WIDTH, DIM = 2, 3, 8, 64
-ROW_BYTES = 66  # one mxfp8 row of 64 dims: 64 element bytes + 2 scale bytes
-HISTORY = 128  # the only history length the fused op is qualified for
-LAYOUT, PAGE = "NHD", 16
-FMT = "mxfp8"
-TOKENS = HISTORY + WIDTH
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def ring(history=HISTORY) -> torch.Tensor:
-    return torch.zeros(SLOTS, history, ROW_BYTES, dtype=torch.uint8)
-
-
-def staging(history=HISTORY, layout=LAYOUT, page_size=PAGE) -> torch.Tensor:
-    return torch.zeros(staging_shape(ROWS, history + WIDTH, ROW_BYTES, layout, page_size), dtype=torch.uint8)
-
-
-def kv() -> torch.Tensor:
-    return torch.zeros(ROWS, WIDTH, DIM)
-
-
-def row_input() -> torch.Tensor:
-    return torch.zeros(ROWS, dtype=torch.int32)
-
-
-def layer_inputs(history=HISTORY, layout=LAYOUT, page_size=PAGE) -> tuple:
-    """(ring, staging, kv, row_ids, positions) for one layer."""
-    return ring(history), staging(history, layout, page_size), kv(), row_input(), row_input()
-
-
-def export(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
-    return torch.export.export(module, args, strict=False).graph_module
+from .layer_graphs import (  # noqa: F401
+    ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, ring, staging, kv, row_input, layer_inputs, export,
+)
 
 
 def call_targets(gm: torch.fx.GraphModule) -> list:

@@ -9,13 +9,11 @@ import b12x.runtime.ops  # noqa: F401  (registers the b12x op set)
 from b12x.passes.fuse_window_snapshot import FuseWindowSnapshot
 from b12x.passes.invariants import check_invariants, signature
 from b12x.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
-from b12x.runtime.layout import staging_shape
 
-ops = torch.ops.b12x
+from .layer_graphs import (  # noqa: F401
+    ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,
+)
 
-ROWS, SLOTS, WIDTH, DIM, ROW_BYTES = 2, 3, 8, 64, 66
-HISTORY, LAYOUT, PAGE, FMT = 128, "NHD", 16, "mxfp8"
-TOKENS = HISTORY + WIDTH
 GRAPH = "verify"  # the graph name every failure message must carry
 
 
@@ -27,17 +25,6 @@ def not_in_opset(x: torch.Tensor) -> torch.Tensor:
 
 
 not_in_opset.register_fake(lambda x: torch.empty_like(x))
-
-
-def layer_inputs() -> tuple:
-    """(ring, staging, kv, row_ids, positions)."""
-    return (
-        torch.zeros(SLOTS, HISTORY, ROW_BYTES, dtype=torch.uint8),
-        torch.zeros(staging_shape(ROWS, TOKENS, ROW_BYTES, LAYOUT, PAGE), dtype=torch.uint8),
-        torch.zeros(ROWS, WIDTH, DIM),
-        torch.zeros(ROWS, dtype=torch.int32),
-        torch.zeros(ROWS, dtype=torch.int32),
-    )
 
 
 class Layer(torch.nn.Module):
