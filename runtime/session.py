@@ -63,10 +63,11 @@ class Session:
 
     def _bind(self, given: dict) -> None:
         symbols = {"slots": self.slots + 1, "rows": self.max_rows}
-        unknown = set(given) - set(self._shared_specs())
+        specs = self._shared_specs()
+        unknown = set(given) - set(specs)
         if unknown:
             raise BufferError(f"{sorted(unknown)[0]}: not a cache or staging buffer of this package")
-        for name, spec in self._shared_specs().items():
+        for name, spec in specs.items():
             shape = spec.resolve(symbols)
             tensor = given.get(name)
             if tensor is None:
