@@ -76,7 +76,7 @@ def test_tiny_recipe_values():
     assert (m.draft.stages, m.draft.target_layer_ids, m.draft.noise_token_id) == (2, (3, 4, 5), 1)
     assert r.cache.history == 128 and r.cache.staging.page_size == 16
     assert r.passes.verify.width == 8 and r.passes.draft.width == 7
-    assert r.passes.prefill.chunk == 64 and r.passes.prefill.rows_buckets == (1,)
+    assert r.passes.prefill.chunk == 64 and r.passes.prefill.rows_buckets == (1, 2, 4, 8)
     assert r.pass_names == PASS_NAMES == ("prefill", "verify", "draft", "commit")
     assert [w.name for w in r.rewrites] == ["fuse_window_snapshot"]
     assert r.rewrites[0].expect_matches == {"prefill": 0, "verify": 6, "draft": 2, "commit": 0}
