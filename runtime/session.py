@@ -14,6 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from b12x.runtime.abi import BufferSpec
+from b12x.runtime.engine import Engine
 from b12x.runtime.qualify import check_fused_window
 from b12x.runtime.validate import BufferError, check_buffer, validate_inputs
 
@@ -120,6 +121,10 @@ class Session:
             out.copy_(result[name])
         self._advance(pass_name, tensors)
         return {name: out[:n] for name, out in bucket.outputs.items()}
+
+    def generate(self, requests, **options) -> list:
+        """Serve requests over this session's slots; options and results as `engine.Engine`."""
+        return Engine(self, **options).generate(requests)
 
     def weights_for(self, info) -> dict:
         return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}

@@ -1,0 +1,106 @@
+"""What a caller asks the engine for, and what the engine tracks and hands back per request.
+
+Every request is checked against the model when it is submitted, before any replay, so
+a bad request in a batch stops the batch with an error naming the request instead of
+failing mid-run with other requests half decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...] | list[int]
+    max_new_tokens: int = 32
+    stop: tuple[int, ...] | list[int] = ()  # generation ends after emitting one of these (it is kept)
+    id: object = None  # any hashable label; the engine numbers requests that bring none
+    seed: int | None = None  # sampling seed of this request; default: derived from the engine's seed
+
+
+@dataclass
+class RequestState:
+    """A request inside the engine; `generate` returns these, finished, in submission order.
+
+    `length` tokens are committed to the slot's caches and `pending` is the next token,
+    already emitted but not yet in the caches (the same bookkeeping as `speculative.Row`,
+    so drafters written for the `Decoder` work here too).
+    """
+
+    id: object
+    prompt: list[int]
+    max_new_tokens: int
+    stop: frozenset[int]
+    generator: torch.Generator
+    slot: int = -1
+    length: int = 0
+    pending: int = -1
+    tokens: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # top-2 logit gap behind each emitted token
+    finish_reason: str | None = None  # "length" or "stop"
+    steps: int = 0  # decoding steps this request took part in
+    accepted: int = 0  # drafts of this request the target accepted
+    submitted_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def latency_s(self) -> float:
+        """Submission to last token, queueing included."""
+        return self.finished_at - self.submitted_at
+
+    @property
+    def first_token_s(self) -> float:
+        return self.first_token_at - self.submitted_at
+
+    def emit(self, tokens: list[int], margins: list[float]) -> None:
+        """Hand tokens to the request, stopping at a stop token or at max_new_tokens."""
+        for token, gap in zip(tokens, margins):
+            self.tokens.append(token)
+            self.margins.append(gap)
+            if token in self.stop:
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.finish_reason = "length"
+            if self.done:
+                return
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_request(request: Request, label: str, vocab_size: int, max_seq_len: int) -> None:
+    """Raise ValueError naming the request and the problem; the request is otherwise servable."""
+    prompt, max_new = request.prompt, request.max_new_tokens
+    if not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+        raise ValueError(f"request {label}: prompt must be a list of integer token ids")
+    if not prompt:
+        raise ValueError(f"request {label}: prompt is empty; at least one token is needed")
+    for i, token in enumerate(prompt):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"request {label}: prompt token {token} at index {i} is out of range; "
+                             f"expected a token id in [0, {vocab_size})")
+    if not _is_int(max_new) or max_new < 1:
+        raise ValueError(f"request {label}: max_new_tokens must be an integer of at least 1, got {max_new!r}")
+    if len(prompt) >= max_seq_len:
+        raise ValueError(f"request {label}: prompt of {len(prompt)} tokens is longer than the model's limit of "
+                         f"{max_seq_len - 1} prompt tokens (max_seq_len {max_seq_len}, one new token at least)")
+    if len(prompt) + max_new > max_seq_len:
+        raise ValueError(f"request {label}: prompt of {len(prompt)} tokens plus max_new_tokens {max_new} exceeds "
+                         f"the model's max_seq_len {max_seq_len}; at most {max_seq_len - len(prompt)} new tokens fit")
+    if not isinstance(request.stop, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in request.stop):
+        raise ValueError(f"request {label}: stop must be a list of integer token ids")
+    for token in request.stop:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"request {label}: stop token {token} is out of range; "
+                             f"expected a token id in [0, {vocab_size})")
+    if request.seed is not None and not _is_int(request.seed):
+        raise ValueError(f"request {label}: seed must be an integer, got {request.seed!r}")

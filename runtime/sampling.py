@@ -1,0 +1,79 @@
+"""Choosing tokens from logits: greedy, seeded sampling, and speculative acceptance.
+
+Greedy acceptance keeps the longest draft prefix the target's argmax agrees with, then
+the target's own next token. Sampled acceptance is speculative sampling: draft d_j,
+drawn from the draft distribution q_j, is kept with probability min(1, p_j(d_j) / q_j(d_j));
+the first rejected position draws from normalize(max(0, p_j - q_j)) instead, and when
+every draft is kept the bonus token draws from the target's next distribution. Each
+emitted token is then distributed exactly as the target's p, whatever q is, so a bad
+drafter costs speed, never fidelity.
+
+All randomness comes from a caller's `torch.Generator` (one per request), so a seed
+fixes the output whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    # float64: the acceptance ratio p/q of two small probabilities must not round to 0 or inf.
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    """One token from one row of logits: the argmax at temperature 0, else a seeded draw."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return draw(probabilities(logits, temperature), gen)
+
+
+def accept_greedy(drafts: list[int], logits: torch.Tensor) -> list[int]:
+    """Emitted tokens for one row: the accepted drafts (equal to the target's picks) plus the bonus.
+
+    logits[j] is the target's distribution for the token after draft j (row 0: after the
+    pending token), so len(logits) == len(drafts) + 1.
+    """
+    targets = logits.argmax(-1).tolist()
+    k = 0
+    while k < len(drafts) and drafts[k] == targets[k]:
+        k += 1
+    return targets[: k + 1]
+
+
+def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """Speculative sampling for one row; p: [k + 1, V] target probabilities, q: [k, V] draft ones.
+
+    q None means the drafter is deterministic (q_j is one-hot on d_j): d_j is then kept
+    with probability p_j(d_j), and a rejection redraws from p_j without d_j.
+    """
+    out = []
+    for j, token in enumerate(drafts):
+        q_token = 1.0 if q is None else float(q[j, token])
+        p_token = float(p[j, token])
+        # u < p/q, written without the division: q_token == 0 keeps any draft p allows.
+        if float(torch.rand((), generator=gen, dtype=torch.float64)) * q_token < p_token:
+            out.append(token)
+            continue
+        if q is None:
+            residual = p[j].clone()
+            residual[token] = 0.0
+        else:
+            residual = (p[j] - q[j]).clamp_min(0.0)
+        # A rejection implies p_j != q_j, so the residual has mass; rounding aside, p_j is the limit.
+        total = float(residual.sum())
+        out.append(draw(residual / total if total > 0 else p[j], gen))
+        return out
+    out.append(draw(p[len(drafts)], gen))
+    return out
+
+
+def margin(logits: torch.Tensor) -> float:
+    """Gap between the two largest logits: how close the argmax was to a tie."""
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
