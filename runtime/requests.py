@@ -86,7 +86,8 @@ def check_request(request: Request, label: str, vocab_size: int, max_seq_len: in
         raise ValueError(f"request {label}: prompt is empty; at least one token is needed")
     for i, token in enumerate(prompt):
         if not 0 <= token < vocab_size:
-            raise ValueError(f"request {label}: prompt token {token} at index {i} is out of range; "
+            # Worded like the session's own input check, which this one runs ahead of.
+            raise ValueError(f"request {label}: prompt tokens: value {token} is out of range (index {i}); "
                              f"expected a token id in [0, {vocab_size})")
     if not _is_int(max_new) or max_new < 1:
         raise ValueError(f"request {label}: max_new_tokens must be an integer of at least 1, got {max_new!r}")

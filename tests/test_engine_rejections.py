@@ -45,7 +45,7 @@ GOOD = Request([1, 2, 3], 4)
     (Request([7] * 1024), r"request 1: prompt of 1024 tokens is longer than the model's limit of 1023 prompt tokens"),
     (Request([7] * 1000, 30), r"request 1: prompt of 1000 tokens plus max_new_tokens 30 exceeds the model's "
                               r"max_seq_len 1024; at most 24 new tokens fit"),
-    (Request([1, 512]), r"request 1: prompt token 512 at index 1 is out of range; expected a token id in \[0, 512\)"),
+    (Request([1, 512]), r"request 1: prompt tokens: value 512 is out of range \(index 1\); expected a token id in \[0, 512\)"),
     (Request("1 2 3"), r"request 1: prompt must be a list of integer token ids"),
     (Request([1], 0), r"request 1: max_new_tokens must be an integer of at least 1, got 0"),
     (Request([1], stop=[-1]), r"request 1: stop token -1 is out of range"),
