@@ -75,6 +75,20 @@ def unfused_pkg(unfused_path):
     return load(unfused_path)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`).
+
+    On two cores shared with other work, replays with one thread run several times faster
+    than with two threads waiting on each other. Results a module compares were all made
+    under the same setting.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def poison(session) -> None:
     """Fill every reusable buffer with garbage: 0xFF bytes, NaN floats, -1 integers."""
     for tensor in session.reusable_storage():

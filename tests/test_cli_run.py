@@ -13,14 +13,7 @@ from b12x.runtime.engine import Engine
 from b12x.runtime.requests import Request
 from conftest import random_tokens
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: one torch thread per replay is several times faster than two contending.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def invoke(*args):

@@ -15,15 +15,7 @@ REQUESTS, SLOTS = 64, 8
 COUNTERS = ("rows", "padding_rows", "drafted", "accepted", "bonus", "prefill_tokens", "admitted", "retired",
             "slot_reuse", "generated")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two cores shared with other work: one torch thread per replay runs several times faster
-    # than two threads waiting on each other. Every run in this module uses the same setting.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def first_difference(got, want, margins):

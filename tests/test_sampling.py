@@ -24,14 +24,7 @@ PENDING = 5  # the token after PROMPT, fixed so the next token has one target di
 SEED = 1234
 P_VALUE = 1e-3  # a correct sampler fails this test once in a thousand seeds; this seed passes
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: one torch thread per replay is several times faster than two contending.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
