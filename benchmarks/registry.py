@@ -3,7 +3,7 @@
 A benchmark is a function `fn(settings) -> list[Measurement]` registered under a name
 with `@benchmark("name")`. Each Measurement pairs a baseline with a candidate and
 reports ratio = candidate / baseline, so a ratio below 1 means the candidate is
-smaller (faster, or fewer nodes).
+smaller (faster, or fewer nodes) — or, for a rate such as tokens/s, slower.
 """
 
 from __future__ import annotations
@@ -59,16 +59,8 @@ def _time_ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter_ns() - start) / 1e6
 
 
-def compare_timed(benchmark: str, case: str, baseline: Callable[[], object], candidate: Callable[[], object],
-                  settings: Settings, baseline_label: str, candidate_label: str,
-                  params: dict | None = None) -> Measurement:
-    """Time two callables in alternating rounds and compare their medians.
-
-    Both sides run inside every round, so a slow stretch of the machine (another process,
-    frequency scaling) lands on both rather than on whichever side happened to run then.
-    The order flips every round so neither side always runs on a cache warmed by the other.
-    Medians, not means, so a single preempted call does not move the result.
-    """
+def _alternate(settings: Settings, baseline: Callable[[], float], candidate: Callable[[], float]):
+    """Samples of two measuring callables, taken in alternating rounds (see compare_timed)."""
     if settings.repeat < 1:
         raise ValueError(f"repeat must be at least 1, got {settings.repeat}")
     for _ in range(settings.warmup):
@@ -81,16 +73,45 @@ def compare_timed(benchmark: str, case: str, baseline: Callable[[], object], can
     try:
         for i in range(settings.repeat):
             if i % 2 == 0:
-                a.append(_time_ms(baseline))
-                b.append(_time_ms(candidate))
+                a.append(baseline())
+                b.append(candidate())
             else:
-                b.append(_time_ms(candidate))
-                a.append(_time_ms(baseline))
+                b.append(candidate())
+                a.append(baseline())
     finally:
         if gc_was_enabled:
             gc.enable()
+    return a, b
+
+
+def compare_timed(benchmark: str, case: str, baseline: Callable[[], object], candidate: Callable[[], object],
+                  settings: Settings, baseline_label: str, candidate_label: str,
+                  params: dict | None = None) -> Measurement:
+    """Time two callables in alternating rounds and compare their medians.
+
+    Both sides run inside every round, so a slow stretch of the machine (another process,
+    frequency scaling) lands on both rather than on whichever side happened to run then.
+    The order flips every round so neither side always runs on a cache warmed by the other.
+    Medians, not means, so a single preempted call does not move the result.
+    """
+    a, b = _alternate(settings, lambda: _time_ms(baseline), lambda: _time_ms(candidate))
     base, cand = statistics.median(a), statistics.median(b)
     return Measurement(benchmark, case, "ms", baseline_label, candidate_label, base, cand, cand / base,
+                       params or {}, a, b)
+
+
+def compare_rates(benchmark: str, case: str, baseline: Callable[[], float], candidate: Callable[[], float],
+                  settings: Settings, baseline_label: str, candidate_label: str, unit: str,
+                  params: dict | None = None) -> Measurement:
+    """Like compare_timed, for callables that measure themselves and return a rate (tokens/s).
+
+    Used where only part of a call is the thing measured (decoding, not the prefill before
+    it). Same alternating rounds and medians; ratio = candidate / baseline, which for a
+    rate means above 1 the candidate is faster.
+    """
+    a, b = _alternate(settings, baseline, candidate)
+    base, cand = statistics.median(a), statistics.median(b)
+    return Measurement(benchmark, case, unit, baseline_label, candidate_label, base, cand, cand / base,
                        params or {}, a, b)
 
 
