@@ -171,3 +171,39 @@ def test_session_generate_takes_prompts_and_requests(fused_pkg):
     assert len(states[0].tokens) == 32 and len(states[1].tokens) == 3
     want, margins = greedy_alone(fused_pkg, [5, 6, 7], 32)
     first_difference(states[0].tokens, want, margins)
+
+
+def test_the_last_tokens_before_max_seq_len_decode_one_at_a_time(fused_pkg):
+    """Verify scores verify_width positions ahead, so near max_seq_len the engine decodes
+    through prefill, one token per step, and a request may fill the context exactly.
+
+    Checked by teacher forcing: one prefill of prompt + tokens gives the target's argmax
+    at every position, and each emitted token must be it (or sit at a near tie).
+    """
+    limit = fused_pkg.manifest["model"]["max_seq_len"]
+    gen = torch.Generator().manual_seed(41)
+    prompt, new = random_tokens(gen, limit - 14), 14
+    session = fused_pkg.session(slots=1)
+    engine = Engine(session)
+    calls, replay = [], session.replay
+
+    def counted(name, **values):
+        calls.append((name, values.get("lengths")))
+        return replay(name, **values)
+
+    session.replay = counted
+    state = engine.generate([Request(prompt, new)])[0]
+    assert len(state.tokens) == new and state.length == limit - 1  # the last token is emitted, never committed
+    assert ("prefill", [1]) in calls  # the tail went through prefill
+
+    reference = fused_pkg.session(slots=1)
+    sequence, argmax, margins = prompt + state.tokens[:-1], [], []
+    for start in range(0, len(sequence), 64):
+        piece = sequence[start : start + 64]
+        logits = reference.replay("prefill", tokens=[piece + [0] * (64 - len(piece))], row_ids=[0],
+                                  positions=[start], lengths=[len(piece)])["logits"][0, : len(piece)]
+        argmax += logits.argmax(-1).tolist()
+        margins += [float(t[0] - t[1]) for t in logits.topk(2).values]
+    for i, token in enumerate(state.tokens):
+        at = len(prompt) - 1 + i
+        assert token == argmax[at] or margins[at] < NEAR_TIE, f"token {i}: {token} vs argmax {argmax[at]}"
