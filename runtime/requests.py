@@ -8,8 +8,10 @@ failing mid-run with other requests half decoded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only named in annotations: the CLI parses requests without loading torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,3 +105,9 @@ def test_run_refuses_contradictory_options(fused_path):
     assert "give at least one prompt" in invoke(fused_path).output
     result = invoke(fused_path, "--prompt-ids", "1", "--greedy", "--temperature", 0.5)
     assert result.exit_code == 2 and "cannot be combined with --temperature" in result.output
+
+
+def test_the_command_line_starts_without_torch():
+    # Commands import torch when they run, so `b12x --help` and usage errors answer at once.
+    code = "import sys, b12x.exporter.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
