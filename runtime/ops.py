@@ -3,7 +3,7 @@
 Each op is a `torch.library` custom op whose schema declares what it mutates, with a
 plain-torch reference implementation (used on CPU, and on any device until a kernel is
 registered for it) and a fake implementation so passes can be captured on the meta
-device. Ops never validate indices: the session validates every input before a replay,
+device. On a machine with CUDA, `cuda_kernels` registers Triton kernels for CUDA tensors. Ops never validate indices: the session validates every input before a replay,
 so a replay does no host work beyond the copies themselves.
 
 Window rows live in a ring addressed by absolute position (`pos % capacity`). Verify and
@@ -12,6 +12,8 @@ the rows the pass computed. Commit copies accepted staging rows back into the ri
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -162,3 +164,10 @@ OPS = {
                  "round_trip", "set_seq_len")
 }
 """Every op of op set v1 by name; a graph using anything else in the namespace is refused."""
+
+# Only where CUDA exists, and only for CUDA tensors: the CPU path never imports Triton.
+CUDA_KERNELS = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+if CUDA_KERNELS:
+    from b12x.runtime.cuda_kernels import register as _register_cuda_kernels
+
+    _register_cuda_kernels()

@@ -15,7 +15,9 @@ import torch.utils._pytree as pytree
 
 from b12x.runtime.abi import BufferSpec
 from b12x.runtime.engine import Engine
+from b12x.runtime.graph_runner import GraphRunner
 from b12x.runtime.qualify import check_fused_window
+from b12x.runtime.retarget import graph_on
 from b12x.runtime.validate import BufferError, check_buffer, validate_inputs
 
 FUSED = torch.ops.b12x.window_snapshot_append.default
@@ -49,6 +51,7 @@ class Session:
         self.weights = {k: v.to(self.device) for k, v in package.weights.items()}
         self.caches, self.staging = {}, {}
         self._bind(buffers or {})
+        self.graphs = GraphRunner(self.device, (self.caches, self.staging), self.scratch_slot)
         self.buckets = {name: self._prepare(info) for name, info in package.passes.items()}
 
     # -- binding ------------------------------------------------------------------------
@@ -81,7 +84,7 @@ class Session:
             if node.op == "call_function" and node.target == FUSED:
                 args = dict(zip((a.name for a in FUSED._schema.arguments), node.args))
                 check_fused_window(args["history"], args["layout"], args["page_size"], where=f"pass {info.name}")
-        buckets = {}
+        buckets, graph = {}, graph_on(info.program, self.device)
         for rows in (b for b in info.rows_buckets if b <= self.max_rows):
             make = lambda s: torch.zeros(s.resolve({"rows": rows}), dtype=s.torch_dtype, device=self.device)
             inputs = {s.name: make(s) for s in info.inputs if s.role == "input"}
@@ -91,8 +94,8 @@ class Session:
             args, spec = pytree.tree_flatten(((self.weights_for(info), caches, staging, inputs), {}))
             if spec != info.program.call_spec.in_spec:
                 raise BufferError(f"pass {info.name}: bound buffers do not match the graph's inputs")
-            buckets[rows] = Bucket(rows, inputs, outputs, staging, info.program.graph_module, args,
-                                   info.program.call_spec.out_spec)
+            buckets[rows] = Bucket(rows, inputs, outputs, staging, graph, args, info.program.call_spec.out_spec)
+            self.graphs.add(info.name, buckets[rows])
         if not buckets:
             raise BufferError(f"pass {info.name}: no rows bucket fits max_rows={self.max_rows}; buckets {info.rows_buckets}")
         return buckets
@@ -100,10 +103,7 @@ class Session:
     # -- replay -------------------------------------------------------------------------
 
     def bucket_for(self, pass_name: str, rows: int) -> Bucket:
-        for size, bucket in sorted(self.buckets[pass_name].items()):
-            if size >= rows:
-                return bucket
-        raise ValueError(f"pass {pass_name}: {rows} rows exceed the largest prepared bucket {max(self.buckets[pass_name])}")
+        return self.graphs.bucket_for(pass_name, rows)
 
     def replay(self, pass_name: str, **values) -> dict[str, torch.Tensor]:
         """Run one pass for len(row_ids) rows; returns views of the static outputs."""
@@ -116,9 +116,7 @@ class Session:
         for name, static in bucket.inputs.items():
             static[:n].copy_(tensors[name])
             static[n:] = self.scratch_slot if name == "row_ids" else 0
-        result = bucket.run()
-        for name, out in bucket.outputs.items():
-            out.copy_(result[name])
+        self.graphs.replay(pass_name, bucket)  # CUDA: one graph replay; CPU: the graph, run directly
         self._advance(pass_name, tensors)
         return {name: out[:n] for name, out in bucket.outputs.items()}
 

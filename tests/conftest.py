@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import yaml
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It has to
+    # be chosen before any kernel module is imported (decoration reads it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from b12x.exporter.export import export_package
 from b12x.exporter.recipe import load_recipe, parse_recipe

@@ -1,0 +1,463 @@
+"""GPU qualification of the CUDA path, in one command on one CUDA device:
+
+    python benchmarks/gpu_check.py [--json PATH]
+
+It needs the `cuda` extra (torch with CUDA, triton) and takes a few minutes. It prints a
+line per check as it goes and a table last; the exit status is 0 only if every check
+passed. Checks, for the tiny recipe and the full-size window writer shapes:
+
+* kernel bytes: the CUDA kernels (through the op dispatcher) against the torch reference
+  on the CPU, on random rows and the edge vectors, with poisoned staging: fused and
+  unfused window writers at verify width 8 / draft width 7, rows 1 and 3, dims 64 and 512;
+  the commit into the persistent ring; the other row writers and readers;
+* fused vs unfused sessions of the tiny recipe on CUDA: staging and persistent cache
+  bytes and logits identical after draft -> verify -> commit steps with every reusable
+  buffer poisoned before each replay, rows 1 and 3;
+* CUDA vs CPU sessions from the same cache bytes: the history snapshot in staging is
+  identical (the appended rows come from float math that legitimately differs);
+* `torch.cuda.memory_allocated` unchanged over 100 replays;
+* kernel nodes of every captured graph, counted through the CUDA graph API: the fused
+  graph has exactly one fewer per fused window layer;
+* graph replays per second, fused vs unfused: fused at least as fast;
+* fused writer bandwidth at least 70% of a device-to-device copy of the same bytes.
+
+`--device cpu` runs what it can on the CPU (kernels in Triton's interpreter, sessions
+without capture); it checks this script, and proves nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+REPLAYS = 100
+BANDWIDTH_ROWS = 4096  # full-size staging rows for the bandwidth comparison (~290 MB written)
+LAUNCHES_PER_GRAPH = 10
+MIN_BANDWIDTH_RATIO = 0.70
+PROMPT_LENGTHS = (200, 37, 129, 1)
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: informational
+    detail: str
+
+
+RESULTS: list[Check] = []
+
+
+def record(name: str, ok: bool | None, detail: str) -> None:
+    RESULTS.append(Check(name, ok, detail))
+    mark = {True: "PASS", False: "FAIL", None: "info"}[ok]
+    print(f"[{mark}] {name}: {detail}", flush=True)
+
+
+# ---------------------------------------------------------------- kernel bytes
+
+
+def kernel_bytes(device: str) -> None:
+    import torch
+
+    from b12x.runtime import triton_rows, triton_window
+    from b12x.runtime.formats import get_format
+    from benchmarks.kernel_cases import kv_rows, window_case
+
+    R = torch.ops.b12x
+    # On CUDA the ops go through the dispatcher (which must pick the Triton kernels); on
+    # the CPU dry run the launchers are called directly, in the interpreter.
+    win = triton_window if device == "cpu" else R
+    rows_ops = triton_rows if device == "cpu" else R
+
+    for width in (8, 7):
+        for rows in (1, 3):
+            for dim, page in ((64, 16), (512, 64)):
+                name = f"kernel bytes w{width} r{rows} d{dim}"
+                case = window_case(torch.Generator().manual_seed(width * 1000 + rows * 10 + dim), rows, width, dim, page)
+                ref = case["staging"].clone()
+                R.window_snapshot_append(case["ring"], ref, case["kv"], case["row_ids"], case["positions"], 128, "NHD", page, "mxfp8")
+                ref_unfused = case["staging"].clone()
+                R.window_snapshot(case["ring"], ref_unfused, case["row_ids"], case["positions"], 128, "NHD", page)
+                R.cache_append(ref_unfused, case["kv"], 128, "NHD", page, "mxfp8")
+                g = {k: v.to(device) for k, v in case.items()}
+                fused, unfused = g["staging"].clone(), g["staging"].clone()
+                win.window_snapshot_append(g["ring"], fused, g["kv"], g["row_ids"], g["positions"], 128, "NHD", page, "mxfp8")
+                win.window_snapshot(g["ring"], unfused, g["row_ids"], g["positions"], 128, "NHD", page)
+                win.cache_append(unfused, g["kv"], 128, "NHD", page, "mxfp8")
+                ring_ref = case["ring"].clone()
+                R.window_commit(ring_ref, ref, case["row_ids"], case["positions"], case["accept_len"], 128, width)
+                win.window_commit(g["ring"], fused, g["row_ids"], g["positions"], g["accept_len"], 128, width)
+                ok = {
+                    "fused staging = CPU": torch.equal(fused.cpu(), ref),
+                    "unfused staging = CPU": torch.equal(unfused.cpu(), ref),
+                    "CPU fused = CPU unfused": torch.equal(ref, ref_unfused),
+                    "persistent ring = CPU": torch.equal(g["ring"].cpu(), ring_ref),
+                }
+                record(name, all(ok.values()), ", ".join(k for k, v in ok.items() if not v) or "staging and ring identical")
+
+    for fmt, dim in (("nvfp4", 64), ("nvfp4", 512), ("fp32", 128), ("mxfp8", 512)):
+        gen = torch.Generator().manual_seed(dim)
+        values = kv_rows(gen, 3, 8, dim)
+        nbytes = get_format(fmt).row_bytes(dim)
+        staged = torch.full((3, 8, nbytes), 0xFF, dtype=torch.uint8)
+        R.stage_rows(staged, values, fmt)
+        got = torch.full_like(staged, 0xFF).to(device)
+        rows_ops.stage_rows(got, values.to(device), fmt)
+        cache = torch.randint(0, 256, (5, 16, nbytes), dtype=torch.uint8, generator=gen)
+        idx = torch.remainder(torch.tensor([[9], [0], [14]]) + torch.arange(8), 16)
+        valid = torch.rand(3, 8, generator=gen) > 0.3
+        ids = torch.tensor([4, 1, 2], dtype=torch.int32)
+        want = cache.clone()
+        R.write_rows(want, staged, ids, idx, valid, "bytes")
+        dev_cache = cache.to(device)
+        rows_ops.write_rows(dev_cache, staged.to(device), ids.to(device), idx.to(device), valid.to(device), "bytes")
+        dec = rows_ops.read_rows(staged.to(device), dim, fmt).cpu()
+        dec_ref = R.read_rows(staged, dim, fmt)
+        same_dec = torch.equal(torch.isnan(dec), torch.isnan(dec_ref)) and torch.equal(
+            torch.nan_to_num(dec, nan=0.0).view(torch.int32), torch.nan_to_num(dec_ref, nan=0.0).view(torch.int32))
+        ok = torch.equal(got.cpu(), staged) and torch.equal(dev_cache.cpu(), want) and same_dec
+        record(f"row ops {fmt} d{dim}", ok, "stage_rows, write_rows(bytes), read_rows identical" if ok else "mismatch")
+
+
+# ---------------------------------------------------------------- sessions
+
+
+def poison(session) -> None:
+    import torch
+
+    for tensor in session.reusable_storage():
+        if tensor.dtype == torch.uint8:
+            tensor.fill_(0xFF)
+        elif tensor.dtype.is_floating_point:
+            tensor.fill_(float("nan"))
+        else:
+            tensor.fill_(-1)
+
+
+def open_session(pkg, device: str, seed: int = 7):
+    import torch
+
+    from b12x.runtime.speculative import Decoder
+
+    session = pkg.session(device=device, slots=4, max_rows=4)
+    gen = torch.Generator().manual_seed(seed)
+    for slot, length in enumerate(PROMPT_LENGTHS):
+        Decoder(session).prefill(slot, torch.randint(0, pkg.vocab_size, (length,), generator=gen).tolist())
+    return session
+
+
+def fused_vs_unfused(fused, unfused) -> None:
+    import torch
+
+    sessions = (fused, unfused)
+    vocab = fused.package.vocab_size
+    for rows in (1, 3):
+        gen = torch.Generator().manual_seed(100 + rows)
+        slots = [1] if rows == 1 else [3, 0, 2]
+        problems = []
+        for step_no in range(3):
+            positions = [fused.seq_lens[s] for s in slots]
+            draft_tokens = torch.randint(0, vocab, (rows, 7), generator=gen).tolist()
+            verify_tokens = torch.randint(0, vocab, (rows, 8), generator=gen).tolist()
+            accept = torch.randint(0, 9, (rows,), generator=gen).tolist()
+            accept[0] = 8 if step_no == 0 else accept[0]
+            seen = []
+            for session in sessions:
+                poison(session)
+                draft = session.replay("draft", tokens=draft_tokens, row_ids=slots, positions=positions)["logits"].clone()
+                staging = {k: v.clone() for k, v in session.staging.items() if k.startswith("staging.draft.")}
+                poison(session)
+                verify = session.replay("verify", tokens=verify_tokens, row_ids=slots, positions=positions)["logits"].clone()
+                staging.update({k: v.clone() for k, v in session.staging.items() if k.startswith("staging.verify.")})
+                session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
+                seen.append((draft, verify, staging))
+            (d0, v0, s0), (d1, v1, s1) = seen
+            if not (torch.equal(d0, d1) and torch.equal(v0, v1)):
+                problems.append(f"logits differ at step {step_no}")
+            problems += [f"staging {k} step {step_no}" for k in s0 if not torch.equal(s0[k], s1[k])]
+            problems += [f"persistent {k} step {step_no}" for k in fused.caches
+                         if not torch.equal(fused.caches[k], unfused.caches[k])]
+        record(f"fused = unfused, rows {rows}", not problems,
+               "; ".join(problems[:3]) or "staging, persistent caches and logits identical, 3 poisoned steps")
+
+
+def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
+    """Same cache bytes on both devices, one verify: the snapshot half of staging must agree."""
+    import torch
+
+    from b12x.runtime.layout import token_view
+
+    cpu = cpu_pkg.session(device="cpu", slots=4, max_rows=4,
+                          buffers={k: v.cpu() for k, v in gpu_session.caches.items()})
+    cpu.seq_lens = list(gpu_session.seq_lens)
+    slots = [3, 0, 2]
+    positions = [gpu_session.seq_lens[s] for s in slots]
+    tokens = torch.randint(0, cpu_pkg.vocab_size, (3, 8), generator=torch.Generator().manual_seed(5)).tolist()
+    for session in (gpu_session, cpu):
+        poison(session)
+        session.replay("verify", tokens=tokens, row_ids=slots, positions=positions)
+    same_history, appended, differing = True, 0, 0
+    for name, staging in cpu.staging.items():
+        if not name.startswith("staging.verify.") or not name.endswith(".window"):
+            continue
+        a, b = token_view(gpu_session.staging[name][:3]).cpu(), token_view(staging[:3])
+        same_history &= torch.equal(a[:, :128], b[:, :128])
+        appended += 3 * 8
+        differing += (a[:, 128:136] != b[:, 128:136]).any(-1).sum().item()
+    record("CUDA = CPU history snapshot", same_history, "verify staging rows 0..127 identical from identical caches")
+    record("CUDA vs CPU appended rows", None,
+           f"{differing}/{appended} appended window rows differ (float math order differs across devices)")
+
+
+def allocation(session, device: str) -> None:
+    import torch
+
+    slots, positions = [3, 0, 2], [session.seq_lens[s] for s in (3, 0, 2)]
+    tokens = {name: torch.randint(0, session.package.vocab_size, (3, w), generator=torch.Generator().manual_seed(9)).tolist()
+              for name, w in (("verify", 8), ("draft", 7))}
+    for name in tokens:
+        session.replay(name, tokens=tokens[name], row_ids=slots, positions=positions)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(REPLAYS):
+        name = "verify" if i % 2 else "draft"
+        session.replay(name, tokens=tokens[name], row_ids=slots, positions=positions)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    record(f"allocation over {REPLAYS} replays", after == before, f"memory_allocated {before} -> {after} bytes")
+
+
+def _cudart():
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcudart.so" in line:
+                return ctypes.CDLL(line.split()[-1])
+    name = ctypes.util.find_library("cudart")
+    return ctypes.CDLL(name) if name else None
+
+
+def node_types(graph) -> Counter:
+    """Node types of a captured graph (0 = kernel, 1 = memcpy, 2 = memset, ...) via cudaGraphGetNodes."""
+    lib = _cudart()
+    if lib is None:
+        raise RuntimeError("libcudart is not loaded and cannot be found; cannot inspect graphs")
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    if lib.cudaGraphGetNodes(handle, None, ctypes.byref(count)) != 0:
+        raise RuntimeError("cudaGraphGetNodes failed")
+    nodes = (ctypes.c_void_p * count.value)()
+    if lib.cudaGraphGetNodes(handle, nodes, ctypes.byref(count)) != 0:
+        raise RuntimeError("cudaGraphGetNodes failed")
+    types = Counter()
+    for node in nodes[: count.value]:
+        kind = ctypes.c_int(-1)
+        if lib.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) != 0:
+            raise RuntimeError("cudaGraphNodeGetType failed")
+        types[kind.value] += 1
+    return types
+
+
+def graph_nodes(fused, unfused) -> None:
+    results = fused.package.manifest["rewrites"]["results"]
+    for pass_name in ("verify", "draft", "prefill", "commit"):
+        matches = results.get(pass_name, {}).get("fuse_window_snapshot", {}).get("matches", 0)
+        for rows in sorted(fused.buckets[pass_name]):
+            f = node_types(fused.graphs.graph(pass_name, rows))
+            u = node_types(unfused.graphs.graph(pass_name, rows))
+            ok = u[0] - f[0] == matches and sum(u.values()) - sum(f.values()) == matches
+            record(f"kernel nodes {pass_name} rows {rows}", ok,
+                   f"unfused {u[0]} kernels / {sum(u.values())} nodes, fused {f[0]} / {sum(f.values())}; "
+                   f"expected {matches} fewer")
+
+
+def _time_replays(session, pass_name: str, rows: int, count: int) -> float:
+    import torch
+
+    bucket = session.bucket_for(pass_name, rows)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        session.graphs.replay(pass_name, bucket)
+    end.record()
+    end.synchronize()
+    return count / (start.elapsed_time(end) / 1000.0)
+
+
+def replay_rate(fused, unfused) -> None:
+    import torch
+
+    for pass_name, width in (("verify", 8), ("draft", 7)):
+        for rows in (1, 3):
+            slots = [3, 0, 2][:rows]
+            positions = [fused.seq_lens[s] for s in slots]
+            tokens = torch.randint(0, fused.package.vocab_size, (rows, width), generator=torch.Generator().manual_seed(1)).tolist()
+            for session in (fused, unfused):  # fills the bucket's static inputs
+                session.replay(pass_name, tokens=tokens, row_ids=slots, positions=positions)
+            rates = {"fused": [], "unfused": []}
+            for round_no in range(10):  # alternating order: drift lands on both sides
+                order = ("fused", "unfused") if round_no % 2 == 0 else ("unfused", "fused")
+                for side in order:
+                    rates[side].append(_time_replays(fused if side == "fused" else unfused, pass_name, rows, 200))
+            f, u = statistics.median(rates["fused"]), statistics.median(rates["unfused"])
+            record(f"replays/s {pass_name} rows {rows}", f >= u, f"fused {f:,.0f}/s, unfused {u:,.0f}/s ({f / u:.3f}x)")
+
+
+def sessions(device: str) -> None:
+    from b12x.exporter.export import export_package
+    from b12x.exporter.recipe import load_recipe
+    from b12x.runtime import load
+
+    with tempfile.TemporaryDirectory(prefix="b12x-gpu-check-") as tmp:
+        recipe = load_recipe("dsv41-tiny")
+        fused_pkg = load(export_package(recipe, Path(tmp) / "fused").path)
+        unfused_pkg = load(export_package(recipe, Path(tmp) / "unfused", fuse=False).path)
+    t = time.perf_counter()
+    fused, unfused = open_session(fused_pkg, device), open_session(unfused_pkg, device)
+    what = "every bucket of the 4 passes warmed up and captured" if device == "cuda" else "no capture on the CPU"
+    record("sessions prepared", True, f"fused and unfused, prefilled: {what}, {time.perf_counter() - t:.1f}s")
+    fused_vs_unfused(fused, unfused)
+    if device == "cpu":
+        return
+    cuda_vs_cpu(fused, fused_pkg)
+    allocation(fused, device)
+    graph_nodes(fused, unfused)
+    replay_rate(fused, unfused)
+
+
+# ---------------------------------------------------------------- bandwidth
+
+
+def _graph_of(fn, count: int):
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            fn()
+    return graph
+
+
+def bandwidth() -> None:
+    import torch
+
+    from b12x.runtime.formats import get_format
+    from b12x.runtime.layout import staging_shape
+
+    rows, width, dim, page = BANDWIDTH_ROWS, 8, 512, 64
+    row_bytes = get_format("mxfp8").row_bytes(dim)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ring = torch.randint(0, 256, (rows + 1, 128, row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
+    staging = torch.empty(staging_shape(rows, 128 + width, row_bytes, "NHD", page), dtype=torch.uint8, device="cuda")
+    kv = torch.randn(rows, width, dim, device="cuda", generator=gen)
+    row_ids = torch.randperm(rows + 1, device="cuda", generator=gen)[:rows].to(torch.int32)
+    positions = torch.randint(0, 4096, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    written = rows * (128 + width) * row_bytes
+    src = torch.randint(0, 256, (written,), dtype=torch.uint8, device="cuda", generator=gen)
+    dst = torch.empty_like(src)
+    fused = lambda: torch.ops.b12x.window_snapshot_append(ring, staging, kv, row_ids, positions, 128, "NHD", page, "mxfp8")
+    copy = lambda: dst.copy_(src)
+    # Each side is captured as a graph of back-to-back launches, so the timing sees GPU
+    # time only, not the host's dispatch between launches.
+    graphs = {"fused": _graph_of(fused, LAUNCHES_PER_GRAPH), "copy": _graph_of(copy, LAUNCHES_PER_GRAPH)}
+    times = {"fused": [], "copy": []}
+    for round_no in range(20):
+        for name in (("fused", "copy") if round_no % 2 == 0 else ("copy", "fused")):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 1000.0 / LAUNCHES_PER_GRAPH)
+    t_fused, t_copy = statistics.median(times["fused"]), statistics.median(times["copy"])
+    ratio = t_copy / t_fused
+    record("fused writer bandwidth", ratio >= MIN_BANDWIDTH_RATIO,
+           f"{written / t_fused / 1e9:,.0f} GB/s written vs copy {written / t_copy / 1e9:,.0f} GB/s "
+           f"({ratio:.0%} of copy; needs {MIN_BANDWIDTH_RATIO:.0%}), {written / 1e6:.0f} MB")
+
+
+# ---------------------------------------------------------------- main
+
+
+def table() -> str:
+    width = max(len(c.name) for c in RESULTS)
+    lines = [f"{'check':<{width}}  result  detail", f"{'-' * width}  ------  ------"]
+    for c in RESULTS:
+        lines.append(f"{c.name:<{width}}  {({True: 'PASS', False: 'FAIL', None: 'info'})[c.ok]:<6}  {c.detail}")
+    return "\n".join(lines)
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "device": device, "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "absent"
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the checks as JSON here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: dry run of this script (Triton interpreter, no capture); proves nothing about a GPU")
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to qualify (use --device cpu for a dry run of the script)", file=sys.stderr)
+        return 2
+    from b12x.runtime import ops
+
+    if args.device == "cuda" and not ops.CUDA_KERNELS:
+        print("CUDA is available but the Triton kernels are not registered: install the cuda extra", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    env = environment(args.device)
+    print("environment:", json.dumps(env), flush=True)
+    for part in (kernel_bytes, sessions):
+        part(args.device)
+    if args.device == "cuda":
+        bandwidth()
+    elapsed = time.perf_counter() - started
+    failed = [c.name for c in RESULTS if c.ok is False]
+    print()
+    print(table())
+    print(f"\n{sum(c.ok is True for c in RESULTS)} passed, {len(failed)} failed in {elapsed:.0f}s on {env.get('gpu', args.device)}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "seconds": elapsed,
+                                         "checks": [asdict(c) for c in RESULTS]}, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

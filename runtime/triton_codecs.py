@@ -1,0 +1,264 @@
+"""Triton device functions for the KV-cache row formats, bit-exact with `formats.py`.
+
+Every rounding decision is made with integer arithmetic on the float32 bit pattern, so
+the result does not depend on how a backend converts floats: the CPU interpreter, a GPU
+and the torch reference agree by construction. In particular
+
+* E4M3 is round-to-nearest-even on the float32 bits with explicit saturation to ±448
+  (the reference clamps before its cast; a GPU `cvt.satfinite` would agree, an
+  interpreter cast through numpy need not);
+* NaN never goes through a cast: the reference writes canonical 0x7F for a NaN block,
+  while a CPU cast keeps the NaN's sign (0xFF) and CUDA does not, so NaN blocks are
+  detected on the bits and written explicitly;
+* subnormal float32 inputs are handled on the bits too, so flush-to-zero modes cannot
+  change a code.
+
+The NVFP4 block scale needs `amax / 6`; that division and `x / scale` use `div_rn`
+(IEEE round-to-nearest, as torch's division) rather than Triton's default approximate
+division. Flushing subnormal quotients to zero cannot change a code: any quotient below
+2^-10 encodes as zero either way, and signs are read from the input bits.
+
+Tiles are `[TOK, DIM_P2]` with DIM_P2 a power of two at least the row's dim; padding
+elements must be loaded as 0.0 (whole zero blocks, never stored).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+F32_MAX_BITS = 0x7F7FFFFF
+F32_INF_BITS = 0x7F800000
+
+
+@triton.jit
+def _msb(m):
+    """Index of the highest set bit of m in [1, 2^24) (result for 0 is 0)."""
+    n = tl.zeros_like(m)
+    big = m >= (1 << 16)
+    n += tl.where(big, 16, 0)
+    m = tl.where(big, m >> 16, m)
+    big = m >= (1 << 8)
+    n += tl.where(big, 8, 0)
+    m = tl.where(big, m >> 8, m)
+    big = m >= (1 << 4)
+    n += tl.where(big, 4, 0)
+    m = tl.where(big, m >> 4, m)
+    big = m >= (1 << 2)
+    n += tl.where(big, 2, 0)
+    m = tl.where(big, m >> 2, m)
+    n += tl.where(m >= 2, 1, 0)
+    return n
+
+
+@triton.jit
+def e4m3_code(bits, e):
+    """E4M3 code (0..255, sign in bit 7) of the float32 with these bits times 2^-e.
+
+    Round to nearest even, saturating to ±448; inf saturates too. NaN is the caller's
+    business (its code here is meaningless). `e` broadcasts against `bits`.
+    """
+    sign = (bits >> 31) & 1
+    ex = (bits >> 23) & 0xFF
+    man = bits & 0x7FFFFF
+    sub = ex == 0
+    norm = 23 - _msb(man)
+    # |x| = sig * 2^lsb with sig normalised to [2^23, 2^24) (sig = 0 for zeros).
+    sig = tl.where(sub, man << norm, man | 0x800000)
+    lsb = tl.where(sub, -149 - norm, ex - 150) - e
+    top = lsb + 23  # floor(log2 |x * 2^-e|)
+    sat = (ex == 255) | (top > 8) | ((top == 8) & (sig > 0xE00000))
+    # Keep 4 significant bits (3 for the mantissa) down to 2^-6; below, the grid is 2^-9.
+    drop = tl.minimum(tl.where(top >= -6, 20, 14 - top), 25)
+    kept = sig >> (drop - 1)  # one guard bit
+    sticky = (kept << (drop - 1)) != sig
+    r = kept >> 1
+    r += (kept & 1) & (sticky.to(tl.int32) | (r & 1))
+    # r == 16 carries into the exponent by itself: ((top + 7) << 3) + 16 - 8.
+    code = tl.where(top >= -6, ((top + 7) << 3) + r - 8, r)
+    code = tl.where(sat, 0x7E, code)
+    return code | (sign << 7)
+
+
+@triton.jit
+def e4m3_value(code):
+    """float32 value of an E4M3 code (int32); 0x7F / 0xFF decode to NaN."""
+    sign = (code >> 7) & 1
+    ex = (code >> 3) & 0xF
+    man = code & 7
+    normal = (((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(ex == 0, man.to(tl.float32) * 0.001953125, normal)  # m * 2^-9 is exact
+    mag = tl.where((code & 0x7F) == 0x7F, float("nan"), mag)
+    return _with_sign(mag, sign)
+
+
+@triton.jit
+def _with_sign(mag, sign):
+    """mag with its sign bit set where sign == 1; `-x` is `0 - x` and would lose -0.0."""
+    return (mag.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _magnitude(bits):
+    """(|x| bits with NaN -> 0 and inf -> float32 max, NaN mask): the block-amax inputs."""
+    mag = bits & 0x7FFFFFFF
+    nan = mag > 0x7F800000
+    mag = tl.where(nan, 0, tl.minimum(mag, 0x7F7FFFFF))
+    return mag, nan
+
+
+@triton.jit
+def _per_block(v, TOK: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+    """Broadcast [TOK, NB] per-block values to [TOK, NB * B] elements."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (TOK, NB, B)), (TOK, NB * B))
+
+
+@triton.jit
+def mxfp8_encode(bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """(element codes [TOK, DIM_P2], scale bytes [TOK, DIM_P2 // 32]) of float32 bits."""
+    NB: tl.constexpr = DIM_P2 // 32
+    mag, nan = _magnitude(bits)
+    amax = tl.max(tl.reshape(mag, (TOK, NB, 32)), axis=2)
+    nan_b = tl.max(tl.reshape(nan.to(tl.int32), (TOK, NB, 32)), axis=2) > 0
+    # floor(log2 amax) - 8 from the biased exponent; subnormal amax clamps to -127 as well.
+    e = tl.maximum((amax >> 23) - 135, -127)
+    scale = tl.where(nan_b, 0xFF, tl.where(amax == 0, 0, e + 127))
+    codes = e4m3_code(bits, _per_block(e, TOK, NB, 32))
+    codes = tl.where(_per_block((amax == 0).to(tl.int32), TOK, NB, 32) == 1, 0, codes)
+    codes = tl.where(_per_block(nan_b.to(tl.int32), TOK, NB, 32) == 1, 0x7F, codes)
+    return codes, scale
+
+
+@triton.jit
+def mxfp8_decode(codes, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """float32 [TOK, DIM_P2] from element codes and UE8M0 scale bytes (0xFF -> NaN)."""
+    NB: tl.constexpr = DIM_P2 // 32
+    # 2^(s - 127): s = 0 is the float32 subnormal 2^-127.
+    pow2 = tl.where(scales == 0, 0x00400000, scales << 23).to(tl.float32, bitcast=True)
+    pow2 = tl.where(scales == 0xFF, float("nan"), pow2)
+    return e4m3_value(codes) * _per_block(pow2, TOK, NB, 32)
+
+
+@triton.jit
+def _e2m1_code(a):
+    """Unsigned E2M1 code of |q| (nearest, ties to even, saturating at 6)."""
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    return code + (a > 5.0).to(tl.int32)
+
+
+@triton.jit
+def nvfp4_encode(x, bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """(packed nibble bytes [TOK, DIM_P2 // 2], E4M3 scale bytes [TOK, DIM_P2 // 16])."""
+    NB: tl.constexpr = DIM_P2 // 16
+    mag, nan = _magnitude(bits)
+    amax = tl.max(tl.reshape(mag, (TOK, NB, 16)), axis=2).to(tl.float32, bitcast=True)
+    nan_b = tl.max(tl.reshape(nan.to(tl.int32), (TOK, NB, 16)), axis=2) > 0
+    sixth = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    scale = e4m3_code(sixth.to(tl.int32, bitcast=True), 0)  # >= 0: only saturation clamps
+    live = scale != 0
+    s = tl.where(live, e4m3_value(scale), 1.0)  # 1 where dead: no 0/0, zeroed below
+    q = tl.math.div_rn(x, _per_block(s, TOK, NB, 16))
+    negative = (bits < 0) & ((bits & 0x7FFFFFFF) != 0)  # x < 0 on the bits: -0.0 is not
+    nib = _e2m1_code(tl.abs(q)) | (negative.to(tl.int32) << 3)
+    keep = _per_block((live & (nan_b == 0)).to(tl.int32), TOK, NB, 16) == 1
+    nib = tl.where(keep, nib, 0)
+    low, high = tl.split(tl.reshape(nib, (TOK, DIM_P2 // 2, 2)))
+    return low | (high << 4), tl.where(nan_b, 0x7F, scale)
+
+
+@triton.jit
+def _e2m1_value(nib):
+    code = nib & 7
+    mag = tl.where(code < 4, code.to(tl.float32) * 0.5, (code - 2).to(tl.float32))
+    mag = tl.where(code == 7, 6.0, mag)
+    return _with_sign(mag, (nib >> 3) & 1)
+
+
+@triton.jit
+def nvfp4_decode(packed, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """float32 [TOK, DIM_P2] from packed nibbles and E4M3 block scales (0x7F -> NaN)."""
+    NB: tl.constexpr = DIM_P2 // 16
+    nib = tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), (TOK, DIM_P2))
+    return _e2m1_value(nib) * _per_block(e4m3_value(scales), TOK, NB, 16)
+
+
+@triton.jit
+def bf16_encode(bits):
+    """bfloat16 bits (0..65535) of float32 bits: RNE; any NaN -> 0xFFFF, which is what
+    torch's CPU cast (the reference) writes for NaN of either sign."""
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(nan, 0xFFFF, rounded)
+
+
+# ---------------------------------------------------------------- row tiles in memory
+
+MXFP8, NVFP4, BF16, FP32, RAW = 0, 1, 2, 3, 4
+"""Format codes of the row kernels; BF16 / FP32 / RAW rows go through typed views."""
+
+
+@triton.jit
+def store_rows(dst, x, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
+    """Encode float32 x [TOK, DIM_P2] into rows starting at pointers dst [TOK, 1] where ok [TOK, 1].
+
+    MXFP8 / NVFP4 write bytes (dst is uint8); BF16 / FP32 write 16- / 32-bit units (dst is
+    an int16 / int32 view of the cache bytes).
+    """
+    d = tl.arange(0, DIM_P2)[None, :]
+    bits = x.to(tl.int32, bitcast=True)
+    if FMT == 0:
+        codes, scales = mxfp8_encode(bits, TOK, DIM_P2)
+        nb = tl.arange(0, DIM_P2 // 32)[None, :]
+        tl.store(dst + d, codes.to(tl.uint8), mask=ok & (d < DIM))
+        tl.store(dst + DIM + nb, scales.to(tl.uint8), mask=ok & (nb < DIM // 32))
+    elif FMT == 1:
+        packed, scales = nvfp4_encode(x, bits, TOK, DIM_P2)
+        h = tl.arange(0, DIM_P2 // 2)[None, :]
+        nb = tl.arange(0, DIM_P2 // 16)[None, :]
+        tl.store(dst + h, packed.to(tl.uint8), mask=ok & (h < DIM // 2))
+        tl.store(dst + DIM // 2 + nb, scales.to(tl.uint8), mask=ok & (nb < DIM // 16))
+    elif FMT == 2:
+        tl.store(dst + d, bf16_encode(bits).to(tl.int16), mask=ok & (d < DIM))
+    else:
+        tl.store(dst + d, bits, mask=ok & (d < DIM))
+
+
+@triton.jit
+def load_rows(src, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
+    """Decode rows starting at pointers src [TOK, 1] into float32 [TOK, DIM_P2] (0 where not ok)."""
+    d = tl.arange(0, DIM_P2)[None, :]
+    if FMT == 0:
+        nb = tl.arange(0, DIM_P2 // 32)[None, :]
+        codes = tl.load(src + d, mask=ok & (d < DIM), other=0).to(tl.int32)
+        scales = tl.load(src + DIM + nb, mask=ok & (nb < DIM // 32), other=0).to(tl.int32)
+        out = mxfp8_decode(codes, scales, TOK, DIM_P2)
+    elif FMT == 1:
+        h = tl.arange(0, DIM_P2 // 2)[None, :]
+        nb = tl.arange(0, DIM_P2 // 16)[None, :]
+        packed = tl.load(src + h, mask=ok & (h < DIM // 2), other=0).to(tl.int32)
+        scales = tl.load(src + DIM // 2 + nb, mask=ok & (nb < DIM // 16), other=0).to(tl.int32)
+        out = nvfp4_decode(packed, scales, TOK, DIM_P2)
+    elif FMT == 2:
+        units = tl.load(src + d, mask=ok & (d < DIM), other=0).to(tl.int32) & 0xFFFF
+        out = (units << 16).to(tl.float32, bitcast=True)
+    else:
+        out = tl.load(src + d, mask=ok & (d < DIM), other=0).to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def round_trip_rows(x, FMT: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
+    """decode(encode(x)) in registers: what reading these rows back from a cache gives."""
+    bits = x.to(tl.int32, bitcast=True)
+    if FMT == 0:
+        codes, scales = mxfp8_encode(bits, TOK, DIM_P2)
+        out = mxfp8_decode(codes, scales, TOK, DIM_P2)
+    elif FMT == 1:
+        packed, scales = nvfp4_encode(x, bits, TOK, DIM_P2)
+        out = nvfp4_decode(packed, scales, TOK, DIM_P2)
+    elif FMT == 2:
+        out = (bf16_encode(bits) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = x
+    return out
