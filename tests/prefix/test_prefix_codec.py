@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from b12x.runtime.abi import BufferSpec
+from b12x.runtime.prefix_keys import token_bytes
+from b12x.runtime.prefix_l1 import L1Cache
+from b12x.runtime.prefix_l2 import L2Store
 from b12x.runtime.snapshot import (LayoutError, SnapshotCodec, SnapshotError, SnapshotMismatch, cache_layout,
                                    capabilities, package_layout)
 from b12x.runtime.speculative import Decoder
@@ -18,16 +21,17 @@ LENGTHS = (101, 128, 301)
 
 @pytest.fixture(scope="module")
 def session(fused_pkg):
-    return fused_pkg.session(slots=4, max_rows=1)
+    return fused_pkg.session(slots=4, max_rows=1)  # slots 0..3; the 5th is the scratch slot
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_hydrated_slot_continues_bitwise(fused_pkg, session, length):
+def test_hydrated_slot_continues_bitwise(fused_pkg, session, length, tmp_path):
+    """Directly, through L1, and through an L2 file read back after a restart of the store."""
     gen = torch.Generator().manual_seed(length)
     prompt, more, other = random_tokens(gen, length), random_tokens(gen, 80), random_tokens(gen, 260)
     codec = SnapshotCodec(fused_pkg)
     decoder = Decoder(session)
-    for slot in (1, 2):  # the targets hold a longer, unrelated request first
+    for slot in (1, 2, 3):  # the targets hold a longer, unrelated request first
         decoder.prefill(slot, other)
     decoder.prefill(0, prompt)
     snap = codec.capture(session, 0, prompt)
@@ -43,18 +47,28 @@ def test_hydrated_slot_continues_bitwise(fused_pkg, session, length):
         assert torch.equal(rows, session.caches[name][0, : rows.shape[0]]), name
     kept = clone(snap)
 
+    l1 = L1Cache(1 << 30)
+    l1.insert(snap)
+    with L2Store(tmp_path, 1 << 30) as store:
+        store.put(snap)
+    with L2Store(tmp_path, 1 << 30) as store:
+        from_disk = store.lookup(codec.identity, token_bytes(prompt + more))
     codec.hydrate(session, 1, snap)
-    assert session.seq_lens[1] == length and int(session.caches["cache.seq_len"][1]) == length
-    want, got = continue_slot(session, 0, more), continue_slot(session, 1, more)
-    for i, (a, b) in enumerate(zip(want, got)):
-        assert torch.equal(a, b), f"output {i} differs after hydration"
+    codec.hydrate(session, 2, l1.lookup(codec.identity.key, token_bytes(prompt + more)))
+    codec.hydrate(session, 3, from_disk)
+    assert session.seq_lens[1:4] == [length] * 3 and session.caches["cache.seq_len"][1:4].tolist() == [length] * 3
+    want = continue_slot(session, 0, more)
+    for slot, path in ((1, "direct"), (2, "L1"), (3, "L2")):
+        got = continue_slot(session, slot, more)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"{path}: output {i} differs after hydration"
 
-    # Both slots moved on, and the hydrated one is now overwritten outright: the snapshot is untouched.
+    # Every slot moved on, and a hydrated one is now overwritten outright: the snapshot is untouched.
     for cache in session.caches.values():
         cache[1] = 0x5A if cache.dtype == torch.uint8 else 7
     assert same(snap, kept)
-    codec.hydrate(session, 2, snap)
-    again = continue_slot(session, 2, more)
+    codec.hydrate(session, 1, snap)
+    again = continue_slot(session, 1, more)
     assert all(torch.equal(a, b) for a, b in zip(want, again))
 
 
@@ -104,7 +118,7 @@ def test_capture_needs_the_slot_to_hold_exactly_the_tokens(fused_pkg, session):
     with pytest.raises(SnapshotError, match="4 committed tokens"):
         codec.capture(session, 0, [1, 2, 3])
     with pytest.raises(SnapshotError, match="out of range"):
-        codec.capture(session, 4, [1, 2, 3, 4])  # the scratch slot is no request's
+        codec.capture(session, 4, [1, 2, 3, 4])  # the scratch slot belongs to no request
 
 
 def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(fused_pkg):
