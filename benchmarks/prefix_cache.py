@@ -113,7 +113,7 @@ def prefix_cache_benchmark(settings: Settings) -> list:
         if len(first) != 1:
             raise RuntimeError(f"first tokens differ between cold, L1 and L2: {first}")
         params = {"prompt": PROMPT_TOKENS, "cached": PREFIX_TOKENS, "snapshot_bytes": snap.nbytes}
-        out = [compare_timed("prefix_cache.ttft", case, cold, fn, rounds, "cold prefill", label, params)
+        out = [compare_timed("prefix_cache.ttft", case, cold, fn, rounds, "cold prefill", label, dict(params))
                for case, fn, label in (("L1 hit vs cold", from_l1, "L1 hit"), ("L2 hit vs cold", from_l2, "L2 hit"))]
         for m in out:
             m.params["speedup"] = m.baseline / m.candidate
