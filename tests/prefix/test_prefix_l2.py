@@ -289,3 +289,19 @@ def test_threads_lose_nothing_and_corrupt_nothing(tmp_path):
     store.close()
     with L2Store(tmp_path, 1 << 20) as again:  # a full scrub finds every file sound
         assert again.stats.checksum_failures + again.stats.load_errors == 0 and len(again.names()) == len(store.names())
+
+
+def test_large_snapshots_are_read_and_checked_chunk_by_chunk(tmp_path):
+    big = snap_of(0, row_bytes=700_000)  # ~9.8 MB: three 4 MiB checksum chunks, hashed while reading
+    with L2Store(tmp_path, 64 << 20) as store:
+        store.put(big)
+        assert is_intact(lookup(store, [0] * 12), row_bytes=700_000)
+        path = tmp_path / file_name(big)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x04  # inside the second chunk
+        path.write_bytes(data)
+        assert lookup(store, [0] * 12) is None and store.stats.checksum_failures == 1
+        store.put(big)
+    path.write_bytes(data)
+    with L2Store(tmp_path, 64 << 20) as store:  # the start-up scrub hashes chunks on the pool too
+        assert store.stats.checksum_failures == 1 and store.names() == [] and consistent(store)
