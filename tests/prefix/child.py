@@ -47,10 +47,14 @@ def writer(directory: str, count: str, budget: str, done: str) -> None:
     go = Path(done + ".go")
     while not go.exists():  # the reader has opened the directory: start writing under its eyes
         time.sleep(0.01)
+    seen = Path(done + ".seen")
     for i in range(int(count)):
         store.put(snap_of(i))
         store.lookup(IDENT, token_bytes([i // 2] * 12 + [0]))
         time.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while i == int(count) // 2 and not seen.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # halfway: wait until the reader has read something mid-stream
     stats = store.stats.as_dict()
     Path(done).write_text(json.dumps(stats))
     ack = Path(done + ".ack")
@@ -76,9 +80,12 @@ def reader(directory: str, count: str, budget: str, done: str) -> None:
         return hits
 
     while not Path(done).exists():
-        out["hits"] += sweep()
+        hits = sweep()
+        out["hits"] += hits
         if not store.put(snap_of(0, tag=1)):
             out["skipped_puts"] += 1
+        if hits:
+            Path(done + ".seen").touch()
     Path(done + ".ack").write_text("")
     out["final_hits"] = sweep()
     deadline = time.monotonic() + 60
