@@ -70,11 +70,17 @@ def _steps_table(steps: list[dict]) -> Table:
 @click.option("--show-steps", is_flag=True, help="Also print every step's statistics.")
 @click.option("--threads", type=click.IntRange(min=1),
               help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine.")
+@click.option("--prefix-cache-dir", type=click.Path(file_okay=False),
+              help="Keep prompt snapshots here (L2, survives restarts) and in memory (L1); a later run "
+                   "with the same prompt prefix skips prefilling it.")
+@click.option("--prefix-cache-bytes", type=click.IntRange(min=0),
+              help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
 def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, show_steps,
-        threads):
+        threads, prefix_cache_dir, prefix_cache_bytes):
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report."""
     from b12x.runtime import PackageError, load
     from b12x.runtime.engine import Engine
+    from b12x.runtime.prefix_cache import PrefixCache
     from b12x.runtime.requests import check_request
     from b12x.runtime.validate import InputError
 
@@ -91,6 +97,7 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
         import torch
 
         torch.set_num_threads(threads)
+    cache = None
     try:
         loaded = load(package)
         model = loaded.manifest["model"]
@@ -99,7 +106,10 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
                           model["vocab_size"], model["max_seq_len"])
         buckets = loaded.passes["verify"].rows_buckets
         session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]))
-        engine = Engine(session, speculative=not greedy, temperature=temperature, seed=seed)
+        if prefix_cache_dir is not None or prefix_cache_bytes is not None:
+            budget = (1 << 30) if prefix_cache_bytes is None else prefix_cache_bytes
+            cache = PrefixCache(loaded, l1_bytes=budget, l2_dir=prefix_cache_dir, l2_bytes=budget)
+        engine = Engine(session, speculative=not greedy, temperature=temperature, seed=seed, prefix_cache=cache)
         states = engine.submit([request for request, _ in items])
         steps = []
         started = time.perf_counter()
@@ -115,8 +125,11 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
 
             engine.run(on_step)
         wall = time.perf_counter() - started
-    except (PackageError, InputError, ValueError) as exc:
+    except (PackageError, InputError, ValueError, OSError) as exc:
         fail(str(exc))
+    finally:
+        if cache is not None:
+            cache.close()  # waits for queued snapshots to reach the directory
     for state in states:
         click.echo(f"request {state.id} tokens: " + " ".join(map(str, state.tokens)))
     # Piped output would otherwise be cut at 80 columns, squeezing the tables' headers.
@@ -126,5 +139,8 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
     mode = "plain greedy decoding" if greedy else "speculative " + ("sampling" if temperature > 0 else "decoding")
     report = engine.stats.as_dict() | {"requests": len(states), "wall_seconds": wall,
                                        "wall_tokens_per_second": engine.stats.generated / wall if wall else 0.0}
+    if cache is not None:
+        report |= {f"prefix {k}": v for k, v in cache.stats_dict().items()
+                   if k in ("exact_hits", "prefix_hits", "misses", "prefill_tokens_saved")}
     console.print(_stats_table(report, mode))
     console.print(_requests_table(states))

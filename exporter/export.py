@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 import b12x
+from b12x.exporter.buffers import cache_specs
 from b12x.exporter.capture import capture
 from b12x.exporter.dims import Dims
 from b12x.exporter.package_writer import program_bytes, weights_bytes, write_package
@@ -19,6 +20,7 @@ from b12x.passes.manager import PassError, PassRecord, build_pipeline, run_pipel
 from b12x.runtime.abi import fingerprint
 from b12x.runtime.ops import OPSET_VERSION
 from b12x.runtime.package import FORMAT_VERSION
+from b12x.runtime.snapshot import capabilities as snapshot_capabilities
 
 FLASHINFER_PIN = "0.7.4"  # the `cuda` extra pins exactly this version
 
@@ -103,8 +105,8 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
             "vocab_size": d.vocab,
             "max_seq_len": d.max_seq_len,
             "noise_token_id": d.noise_token_id,
-            # Snapshots of the mixed window/compressed state arrive with the prefix cache.
-            "capabilities": {"supports_prefix_snapshot": False, "supports_rotating_cache_snapshot": False},
+            # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.
+            "capabilities": snapshot_capabilities(cache_specs(d), d.ratios, d.max_seq_len),
         },
         "passes": passes,
         "abi_fingerprint": fingerprint(conventions),

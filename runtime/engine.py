@@ -31,7 +31,7 @@ DECODE_PASSES = ("draft", "verify", "commit")
 
 class Engine:
     def __init__(self, session, *, speculative: bool = True, temperature: float = 0.0, seed: int = 0,
-                 drafter=None, slots: Iterable[int] | None = None):
+                 drafter=None, slots: Iterable[int] | None = None, prefix_cache=None):
         """Serve requests over `slots` of `session` (default: all of them).
 
         speculative: draft and verify up to draft_width + 1 tokens per step; otherwise one.
@@ -40,11 +40,14 @@ class Engine:
             submission index (or the request's own seed).
         drafter: `drafter(rows) -> one list of draft_width token ids per row`, replacing
             the draft pass; its drafts count as deterministic (q one-hot) when sampling.
+        prefix_cache: a `prefix_cache.PrefixCache`; prefill hydrates the longest stored
+            prefix of each prompt and prefills only the rest, storing snapshots at the
+            cache's boundaries.
         """
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
         self.session, self.speculative, self.temperature = session, speculative, float(temperature)
-        self.seed, self.drafter = seed, drafter
+        self.seed, self.drafter, self.prefix_cache = seed, drafter, prefix_cache
         package = session.package
         self.vocab_size = package.vocab_size
         self.max_seq_len = package.manifest["model"]["max_seq_len"]
@@ -168,20 +171,32 @@ class Engine:
         return self.session.replay(pass_name, **values)
 
     def _prefill(self, batch: list[RequestState], stats: StepStats) -> None:
-        """Prefill every prompt of the batch, chunk by chunk, the rows of one chunk together."""
+        """Prefill every prompt of the batch, chunk by chunk, the rows of one chunk together.
+
+        With a prefix cache each row first hydrates its longest stored prefix, so rows
+        start at different positions; each chunk continues every row from its own length.
+        """
+        cache, last = self.prefix_cache, {}
         for request in batch:
             self.session.reset_slot(request.slot)
-        last = {}
-        for start in range(0, max(len(r.prompt) for r in batch), self.chunk):
-            rows = [r for r in batch if len(r.prompt) > start]
-            pieces = [r.prompt[start : start + self.chunk] for r in rows]
+            request.length = 0
+            hit = cache.restore(self.session, request.slot, request.prompt) if cache is not None else None
+            if hit is not None:
+                request.length = hit.length
+                if hit.length == len(request.prompt):  # exact hit: the stored logits give the first token
+                    last[request.slot] = hit.snapshot.logits
+        while rows := [r for r in batch if r.length < len(r.prompt)]:
+            pieces = [r.prompt[r.length : r.length + self.chunk] for r in rows]
             out = self._replay("prefill", stats, tokens=[p + [0] * (self.chunk - len(p)) for p in pieces],
-                               row_ids=[r.slot for r in rows], positions=[start] * len(rows),
+                               row_ids=[r.slot for r in rows], positions=[r.length for r in rows],
                                lengths=[len(p) for p in pieces])
             for i, (request, piece) in enumerate(zip(rows, pieces)):
-                request.length = start + len(piece)
+                request.length += len(piece)
+                logits = out["logits"][i, len(piece) - 1].clone()  # the next replay reuses out
                 if request.length == len(request.prompt):
-                    last[request.slot] = out["logits"][i, len(piece) - 1].clone()  # the next replay reuses out
+                    last[request.slot] = logits
+                if cache is not None and cache.boundary(request.length, len(request.prompt)):
+                    cache.store(self.session, request.slot, request.prompt[: request.length], logits)
         now = time.perf_counter()
         for request in batch:
             logits = last[request.slot]

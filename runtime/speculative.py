@@ -42,10 +42,12 @@ class Row:
 
 
 class Decoder:
-    def __init__(self, session, drafter=None):
-        """`drafter(rows) -> list of draft lists` replaces the draft pass (e.g. an external drafter)."""
+    def __init__(self, session, drafter=None, prefix_cache=None):
+        """`drafter(rows) -> list of draft lists` replaces the draft pass (e.g. an external drafter);
+        `prefix_cache` (runtime/prefix_cache.py) lets prefill skip a stored prefix of the prompt."""
         self.session = session
         self.drafter = drafter
+        self.prefix_cache = prefix_cache
         self.margins: dict[int, list[float]] = {}  # slot -> top-2 logit gap behind each token
         self.verify_width = session.package.passes["verify"].width
         self.draft_width = session.package.passes["draft"].width
@@ -59,13 +61,20 @@ class Decoder:
             raise ValueError("prompt is empty; at least one token is needed")
         self.session.reset_slot(slot)
         row = Row(slot)
-        for start in range(0, len(prompt), self.chunk):
+        cache = self.prefix_cache
+        hit = cache.restore(self.session, slot, prompt) if cache is not None else None
+        if hit is not None:  # the slot now holds the first hit.length tokens
+            row.length = hit.length
+            last = hit.snapshot.logits  # used only when the hit covers the whole prompt
+        for start in range(row.length, len(prompt), self.chunk):
             piece = prompt[start : start + self.chunk]
             tokens = piece + [0] * (self.chunk - len(piece))
             out = self.session.replay("prefill", tokens=[tokens], row_ids=[slot], positions=[row.length],
                                       lengths=[len(piece)])
             row.length += len(piece)
             last = out["logits"][0, len(piece) - 1]
+            if cache is not None and cache.boundary(row.length, len(prompt)):
+                cache.store(self.session, slot, prompt[: row.length], last)
         row.pending = int(last.argmax())
         row.tokens.append(row.pending)
         self.margins[slot] = [_margin(last)]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "benchmarks" / "run.py"
@@ -66,3 +67,23 @@ def test_unknown_benchmark_is_refused_before_anything_runs(tmp_path):
     assert proc.returncode == 2
     assert "unknown benchmark 'no-such-benchmark'" in proc.stderr and "replay" in proc.stderr
     assert not out.exists()
+
+
+def test_prefix_cache_benchmark_parts_work(tmp_path):
+    """The full prefix_cache benchmark exports a 4k recipe and prefills cold for seconds, so only
+    its parts are run here: the recipe variant is valid and the L2 read cases measure."""
+    from b12x.runtime.prefix_keys import Identity, token_bytes, token_hash
+    from b12x.runtime.snapshot import Snapshot
+    from benchmarks import prefix_cache
+    from benchmarks.registry import REGISTRY, Settings
+
+    assert REGISTRY["prefix_cache"] is prefix_cache.prefix_cache_benchmark
+    recipe = prefix_cache.long_recipe()
+    assert recipe.model.max_seq_len == 4096 >= prefix_cache.PROMPT_TOKENS
+    assert prefix_cache.PREFIX_TOKENS % recipe.passes.prefill.chunk == 0
+    ident = Identity.of({"test": "bench"})
+    tokens = token_bytes(range(10))
+    rows = torch.zeros(4, 36, dtype=torch.uint8)
+    snap = Snapshot(ident, 10, tokens, token_hash(ident.key, tokens), {"cache.x": rows}, {"cache.x": {"rows": 4}})
+    [m] = prefix_cache.read_cases(tmp_path, {"tiny": snap}, Settings(repeat=1, warmup=0))
+    assert m.benchmark == "prefix_cache.l2_read" and m.params["bytes"] > rows.nbytes and m.params["l2_MBps"] > 0
