@@ -35,7 +35,7 @@ def test_unfused_export_accepts_what_the_fused_op_does_not(small_recipe, tmp_pat
     # The unfused ops handle any history and layout; only the fused op is restricted.
     recipe = recipe_variant(small_recipe, {"cache.staging.layout": "HND", "cache.staging.page_size": 8})
     path = export_package(recipe, tmp_path, fuse=False).path
-    session = load(path).session(slots=1)
+    session = load(path).session(slots=1, max_rows=4)
     assert session.staging["staging.verify.layer0.window"].shape == (4, 17, 1, 8, 66)
 
 
