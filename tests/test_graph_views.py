@@ -75,3 +75,16 @@ def test_onnx_views_pass_the_checker(fused_path, fused_pkg, tmp_path):
     assert "staging.verify.layer0.window@1" in [o.name for o in verify.graph.output]
     logits = next(o for o in verify.graph.output if o.name == "logits")
     assert [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim] == ["rows", 8, 512]
+
+
+def test_dump_passes_numbers_every_rewrite(structural_path):
+    dump = structural_path.parent.parent / "dump"
+    assert sorted(p.name for p in dump.iterdir()) == ["commit", "draft", "prefill", "verify"]
+    for pass_name in ("prefill", "verify", "draft", "commit"):
+        assert sorted(p.name for p in (dump / pass_name).iterdir()) == ["00-captured.txt", "01-fuse_window_snapshot.txt"]
+    before = (dump / "verify" / "00-captured.txt").read_text()
+    after = (dump / "verify" / "01-fuse_window_snapshot.txt").read_text()
+    count = lambda text: int(re.match(r"# verify after \w+: (\d+) op nodes", text).group(1))
+    assert count(before) - count(after) == 6
+    assert FUSED not in before and after.count(f"= {FUSED}(") == 6
+    assert before.count("= b12x.window_snapshot.default(") == 6
