@@ -1,4 +1,4 @@
-"""`b12x export`: capture, rewrite and write a package."""
+"""`b12x export`: capture, rewrite and write a package, or check that a package re-exports."""
 
 from __future__ import annotations
 
@@ -41,6 +41,32 @@ def _checksums(index, recipe):
     return index_checksums(index, weight_shapes(Dims.from_recipe(recipe)))
 
 
+def _check(check_path, recipe, weights_index, dump_passes, jobs):
+    from b12x.exporter.export import ExportError
+    from b12x.exporter.reexport import ReexportError, check_package, settings_from_manifest
+    from b12x.runtime import PackageError
+    from b12x.runtime.package import read_manifest
+
+    try:
+        manifest = read_manifest(check_path)
+        settings = settings_from_manifest(manifest, recipe)
+        if weights_index is not None:
+            settings.checksums = _checksums(weights_index, settings.recipe)
+    except (PackageError, ReexportError) as exc:
+        fail(str(exc))
+    progress = Progress(None)
+    try:
+        differing = check_package(check_path, manifest, settings, dump_dir=dump_passes, jobs=jobs,
+                                  on_capture=progress.on_capture, on_pass=progress.on_pass)
+    except (ExportError, ValueError) as exc:
+        fail(f"re-export of {check_path} failed: {exc}")
+    if differing:
+        for name in differing:
+            click.echo(f"differs: {name}", err=True)
+        fail(f"re-export of {check_path} is not byte-identical: {len(differing)} file(s) differ")
+    console.print(f"[bold]{check_path}[/]: re-export is byte-identical", highlight=False)
+
+
 @click.command()
 @click.option("--recipe", "recipe_source", help="Bundled recipe name (dsv41-tiny) or a YAML path.")
 @click.option("--out", "out_dir", default="out", show_default=True, type=click.Path(file_okay=False),
@@ -52,22 +78,30 @@ def _checksums(index, recipe):
 @click.option("--weights-index", type=click.Path(exists=True),
               help="With --weights none: a checkpoint directory or its model.safetensors.index.json. Every "
                    "weight must be in its weight_map; its sha256 map is recorded for load to check.")
+@click.option("--check", "check_path", type=click.Path(exists=True),
+              help="Re-export PKG (a package directory or its manifest.json) from what it records into a "
+                   "temporary directory; fail, naming the differing files, unless byte-identical. "
+                   "--recipe replaces the recorded recipe.")
 @click.option("--dump-passes", type=click.Path(file_okay=False),
               help="Write every pass's graph as captured and after each rewrite to DIR/PASS/NN-STAGE.txt.")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
               help="Passes exported at once, each in a worker process; the bytes are the same for any N.")
-def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, dump_passes, jobs):
+def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, check_path, dump_passes, jobs):
     """Capture every pass of a recipe, rewrite it and write a package."""
     from b12x.exporter.export import ExportError, export_package
     from b12x.exporter.recipe import RecipeError, load_recipe
     from b12x.runtime.checkpoint import CheckpointError
 
-    if weights_index is not None and weights_mode != "none":
+    if weights_index is not None and weights_mode != "none" and check_path is None:
         fail("--weights-index needs --weights none")
-    if recipe_source is None:
-        fail("--recipe is required")
+    if check_path is not None and (no_fuse or weights_mode is not None):
+        fail("--check re-exports with the settings PKG records; drop --no-fuse and --weights")
+    if recipe_source is None and check_path is None:
+        fail("--recipe is required (or --check PKG)")
     try:
-        recipe = load_recipe(recipe_source)
+        recipe = load_recipe(recipe_source) if recipe_source is not None else None
+        if check_path is not None:
+            return _check(check_path, recipe, weights_index, dump_passes, jobs)
         structural = weights_mode == "none"
         checksums = _checksums(weights_index, recipe) if weights_index is not None else None
     except (RecipeError, CheckpointError) as exc:
