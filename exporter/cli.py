@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from b12x.exporter.cmd_abi import abi
 from b12x.exporter.cmd_export import export
 from b12x.exporter.cmd_inspect import inspect
 from b12x.exporter.cmd_run import run
@@ -15,7 +16,7 @@ def main():
     """Export speculative-decoding passes as versioned packages and replay them."""
 
 
-for command in (export, inspect, run):
+for command in (export, inspect, run, abi):
     main.add_command(command)
 
 
