@@ -64,7 +64,7 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
         for name in differing:
             click.echo(f"differs: {name}", err=True)
         fail(f"re-export of {check_path} is not byte-identical: {len(differing)} file(s) differ")
-    console.print(f"[bold]{check_path}[/]: re-export is byte-identical", highlight=False)
+    click.echo(f"{check_path}: re-export is byte-identical")  # one unwrapped line for CI logs
 
 
 @click.command()
