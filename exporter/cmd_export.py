@@ -56,7 +56,7 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
         fail(str(exc))
     progress = Progress(None)
     try:
-        differing = check_package(check_path, manifest, settings, dump_dir=dump_passes, jobs=jobs,
+        differing = check_package(check_path, settings, dump_dir=dump_passes, jobs=jobs,
                                   on_capture=progress.on_capture, on_pass=progress.on_pass)
     except (ExportError, ValueError) as exc:
         fail(f"re-export of {check_path} failed: {exc}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from b12x.exporter.export import export_package
 from b12x.exporter.recipe import parse_recipe
 
 
@@ -85,10 +86,8 @@ def differences(expected: Path, actual: Path) -> list[str]:
     return out
 
 
-def check_package(path, manifest: dict, settings: Settings, **export_options) -> list[str]:
+def check_package(path, settings: Settings, **export_options) -> list[str]:
     """Re-export into a temporary directory; the differing files (empty: byte-identical)."""
-    from b12x.exporter.export import export_package
-
     with tempfile.TemporaryDirectory(prefix="b12x-check-") as tmp:
         result = export_package(settings.recipe, Path(tmp), fuse=settings.fuse, structural=settings.structural,
                                 checksums=settings.checksums, **export_options)
