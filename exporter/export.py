@@ -34,6 +34,7 @@ class ExportResult:
     abi_fingerprint: str
     records: dict[str, list[PassRecord]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # per pass: capture, rewrites, serialisation
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # per pass: the same in CPU time
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # per pass: of the process that exported it
 
 
@@ -135,5 +136,5 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         "versions": tool_versions(),
     }
     path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)
-    return ExportResult(path, manifest["abi_fingerprint"], all_records,
-                        {n: o.seconds for n, o in outputs.items()}, {n: o.peak_rss_bytes for n, o in outputs.items()})
+    return ExportResult(path, manifest["abi_fingerprint"], all_records, {n: o.seconds for n, o in outputs.items()},
+                        {n: o.cpu_seconds for n, o in outputs.items()}, {n: o.peak_rss_bytes for n, o in outputs.items()})

@@ -66,3 +66,9 @@ def test_unknown_benchmark_is_refused_before_anything_runs(tmp_path):
     assert proc.returncode == 2
     assert "unknown benchmark 'no-such-benchmark'" in proc.stderr and "replay" in proc.stderr
     assert not out.exists()
+
+
+def test_reexport_benchmarks_are_registered(tmp_path):
+    proc = run_runner("--only", "no-such-benchmark", "--json", str(tmp_path / "bench.json"))
+    assert proc.returncode == 2
+    assert "export.structural" in proc.stderr and "rewrite.scaling" in proc.stderr
