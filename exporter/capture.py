@@ -4,11 +4,20 @@ The mutated caches and staging stay plain user inputs (custom ops keep their in-
 form before decomposition), so the graph's calling convention is exactly the buffer
 list of the pass. "rows" and "slots" are dynamic dimensions: one graph serves every rows
 bucket and every session size.
+
+Weights may be fake tensors (structural export): the example buffers are then made in
+the same fake mode, so nothing of full size is ever allocated. Stack traces are not
+recorded: they hold the exporter's source paths and line numbers, which would make the
+package bytes depend on where and from which revision the exporter runs.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import torch
+import torch.fx
+from torch._guards import detect_fake_mode
 from torch.export import Dim
 
 from b12x.exporter.pass_modules import PassModule
@@ -35,18 +44,33 @@ def group_inputs(specs: list[BufferSpec]) -> tuple[dict, ...]:
     return tuple(groups[role] for role in GROUPS)
 
 
+@contextmanager
+def no_stack_traces():
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
+
+
 def capture(module: PassModule, weights: dict[str, torch.Tensor], device="cpu") -> torch.export.ExportedProgram:
     inputs, _ = module.convention()
     dims = _dims()
+    fake = detect_fake_mode(tuple(weights.values()))
     args, dynamic = [], []
     for group in group_inputs(inputs):
         values, shapes = {}, {}
         for name, spec in group.items():
-            values[name] = weights[name] if spec.role == "weight" else example_tensor(spec, device)
+            if spec.role == "weight":
+                values[name] = weights[name]
+            else:
+                with fake or nullcontext():
+                    values[name] = example_tensor(spec, device)
             shapes[name] = {i: dims[d] for i, d in enumerate(spec.shape) if isinstance(d, str)} or None
         args.append(values)
         dynamic.append(shapes)
-    with torch.no_grad():
+    with torch.no_grad(), no_stack_traces():
         program = torch.export.export(module, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
     # Sample inputs are pickled into the archive; a package carries none.
     program._example_inputs = None

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from b12x.exporter.cmd_abi import abi
 from b12x.exporter.cmd_export import export
 from b12x.exporter.cmd_inspect import inspect
 from b12x.exporter.cmd_run import run
+from b12x.exporter.cmd_verify import verify
 
 
 @click.group()
@@ -15,7 +17,7 @@ def main():
     """Export speculative-decoding passes as versioned packages and replay them."""
 
 
-for command in (export, inspect, run):
+for command in (export, inspect, run, abi, verify):
     main.add_command(command)
 
 

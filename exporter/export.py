@@ -11,12 +11,13 @@ import torch
 
 import b12x
 from b12x.exporter.buffers import cache_specs
-from b12x.exporter.capture import capture
 from b12x.exporter.dims import Dims
-from b12x.exporter.package_writer import program_bytes, weights_bytes, write_package
+from b12x.exporter.package_writer import weights_bytes, write_package
+from b12x.exporter.pass_export import PassJob, PassOutput, run_jobs
 from b12x.exporter.pass_modules import PASSES
+from b12x.exporter.structural import external_weights
 from b12x.exporter.weights import init_weights
-from b12x.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x.passes.manager import PassRecord
 from b12x.runtime.abi import fingerprint
 from b12x.runtime.ops import OPSET_VERSION
 from b12x.runtime.package import FORMAT_VERSION
@@ -34,6 +35,9 @@ class ExportResult:
     path: Path
     abi_fingerprint: str
     records: dict[str, list[PassRecord]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # per pass: capture, rewrites, serialisation
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # per pass: the same in CPU time
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # per pass: of the process that exported it
 
 
 def _version(dist: str) -> str:
@@ -64,25 +68,42 @@ def check_matches(recipe, pass_name: str, records: list[PassRecord]) -> None:
 
 
 def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | None = None,
-                   on_pass: Callable[[str, list[PassRecord]], None] | None = None) -> ExportResult:
+                   on_pass: Callable[[str, list[PassRecord]], None] | None = None, *,
+                   structural: bool = False, checksums: dict[str, str] | None = None,
+                   dump_dir: Path | None = None, on_capture: Callable[[str], None] | None = None,
+                   jobs: int = 1) -> ExportResult:
+    """Export `recipe` as OUT_DIR/NAME.b12x.
+
+    structural: no weights in the package (they are bound from a checkpoint at load
+    time), captured on fake tensors; `checksums` (tensor name → sha256, from a checkpoint
+    index) are recorded for the runtime to check. dump_dir: the graph of every pass before
+    and after each rewrite, numbered. jobs: passes exported at once, in worker processes
+    (the bytes do not depend on it). on_capture(pass) runs when a pass starts,
+    on_pass(pass, records) when its rewrites are done.
+    """
     d = Dims.from_recipe(recipe)
-    if weights is None:
+    if structural and weights is not None:
+        raise ExportError("a structural export takes no weights")
+    source = "supplied by the caller" if weights is not None else f"random init, seed {recipe.model.init_seed}"
+    if weights is None and not structural:
         weights = init_weights(d, recipe.model.init_seed)
     pipeline = [r.name for r in recipe.rewrites] if fuse else []
-    files, conventions, results, passes, all_records = {}, {}, {}, {}, {}
-    for name, cls in PASSES.items():
-        module = cls(d)
-        inputs, outputs = module.convention()
-        program = capture(module, weights)
-        try:
-            records = run_pipeline(program.graph_module, build_pipeline(pipeline), name)
-        except PassError as exc:
-            raise ExportError(str(exc)) from exc
+
+    def done(output: PassOutput) -> None:
         if fuse:
-            check_matches(recipe, name, records)
-        files[f"graphs/{name}.pt2"] = program_bytes(program)
-        conventions[name] = {"inputs": [s.to_json() for s in inputs], "outputs": [s.to_json() for s in outputs]}
-        results[name] = {r.name: r.to_json() for r in records}
+            check_matches(recipe, output.name, output.records)
+        if on_pass is not None:
+            on_pass(output.name, output.records)
+
+    work = [PassJob(recipe, name, pipeline, None if structural else weights, dump_dir) for name in PASSES]
+    outputs = run_jobs(work, jobs, on_start=on_capture, on_done=done)
+    files, conventions, results, passes, all_records = {}, {}, {}, {}, {}
+    for name in PASSES:  # in pass order, whatever order the jobs finished in
+        output = outputs[name]
+        files[f"graphs/{name}.pt2"] = output.graph
+        conventions[name] = {"inputs": [s.to_json() for s in output.inputs],
+                             "outputs": [s.to_json() for s in output.outputs]}
+        results[name] = {r.name: r.to_json() for r in output.records}
         config = getattr(recipe.passes, name)
         passes[name] = {
             "graph": f"graphs/{name}.pt2",
@@ -90,10 +111,12 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
             "width": {"prefill": d.prefill_chunk, "draft": d.draft_width}.get(name, d.verify_width),
             **conventions[name],
         }
-        all_records[name] = records
-        if on_pass is not None:
-            on_pass(name, records)
-    files["weights.safetensors"] = weights_bytes(weights)
+        all_records[name] = output.records
+    if structural:
+        weights_entry = external_weights(d, checksums)
+    else:
+        files["weights.safetensors"] = weights_bytes(weights)
+        weights_entry = {"file": "weights.safetensors", "source": source}
     manifest = {
         "format_version": FORMAT_VERSION,
         "opset_version": OPSET_VERSION,
@@ -111,8 +134,9 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         "passes": passes,
         "abi_fingerprint": fingerprint(conventions),
         "rewrites": {"pipeline": pipeline, "results": results},
-        "weights": {"file": "weights.safetensors", "source": f"random init, seed {recipe.model.init_seed}"},
+        "weights": weights_entry,
         "versions": tool_versions(),
     }
     path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)
-    return ExportResult(path, manifest["abi_fingerprint"], all_records)
+    return ExportResult(path, manifest["abi_fingerprint"], all_records, {n: o.seconds for n, o in outputs.items()},
+                        {n: o.cpu_seconds for n, o in outputs.items()}, {n: o.peak_rss_bytes for n, o in outputs.items()})

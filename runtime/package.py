@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
 from b12x.runtime import ops as _ops  # noqa: F401  (graphs need the op set registered)
@@ -20,7 +19,9 @@ from b12x.runtime.abi import BufferSpec, fingerprint
 from b12x.runtime.graph_archive import check_archive, check_graph_ops
 from b12x.runtime.ops import OPSET_VERSION
 
-FORMAT_VERSION = "1.0"  # major.minor: a newer major is refused, an older minor accepted
+# major.minor: a newer major is refused, an older minor accepted. 1.1 added external
+# weights (structural packages: weights.external, weights.tensors).
+FORMAT_VERSION = "1.1"
 MANIFEST_LIMIT = 16 << 20
 
 
@@ -58,9 +59,16 @@ class Package:
     def vocab_size(self) -> int:
         return self.manifest["model"]["vocab_size"]
 
+    @property
+    def external_weights(self) -> bool:
+        return bool(self.manifest["weights"].get("external"))
+
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None):
         from b12x.runtime.session import Session
 
+        if self.weights is None:
+            raise PackageError(f"{self.path.name}: weights are external and not bound; "
+                               "load it with load(path, weights=CHECKPOINT_DIR)")
         return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers)
 
 
@@ -68,6 +76,10 @@ def _read_manifest(root: Path) -> dict:
     path = root / "manifest.json"
     if not path.is_file():
         raise PackageError(f"{root}: no manifest.json; is this a b12x package?")
+    return _read_manifest_file(path)
+
+
+def _read_manifest_file(path: Path) -> dict:
     if path.stat().st_size > MANIFEST_LIMIT:
         raise PackageError(f"manifest.json: {path.stat().st_size} bytes exceeds the {MANIFEST_LIMIT} byte limit")
     try:
@@ -98,6 +110,34 @@ def _check_versions(manifest: dict) -> None:
         raise PackageError(
             f"manifest.json: opset_version {manifest.get('opset_version')!r} is unknown; this runtime has op set {OPSET_VERSION}"
         )
+
+
+def read_manifest(path) -> dict:
+    """The checked manifest of a package directory, or of its manifest.json on its own.
+
+    Versions and the ABI fingerprint are checked; files are not read, so this is what tools
+    that compare calling conventions use (a committed manifest stands for its package).
+    """
+    path = Path(path)
+    if path.is_file():
+        manifest = _read_manifest_file(path)
+    elif path.is_dir():
+        manifest = _read_manifest(path)
+    else:
+        raise PackageError(f"{path}: neither a package directory nor a manifest.json")
+    _check_versions(manifest)
+    _check_fingerprint(manifest)
+    return manifest
+
+
+def _check_fingerprint(manifest: dict) -> dict:
+    passes_json = manifest.get("passes")
+    if not isinstance(passes_json, dict) or not passes_json:
+        raise PackageError("manifest.json: 'passes' is missing or empty")
+    conventions = {n: {"inputs": e.get("inputs"), "outputs": e.get("outputs")} for n, e in passes_json.items()}
+    if fingerprint(conventions) != manifest.get("abi_fingerprint"):
+        raise PackageError("manifest.json: abi_fingerprint does not match the calling conventions")
+    return passes_json
 
 
 def _safe_member(root: Path, name: str) -> Path:
@@ -151,7 +191,14 @@ def _pass_info(name: str, entry: dict, contents: dict[str, bytes]) -> PassInfo:
     return PassInfo(name, program, inputs, outputs, list(entry["rows_buckets"]), int(entry["width"]))
 
 
-def load(path) -> Package:
+def load(path, weights=None) -> Package:
+    """Load and check a package; `weights` is a checkpoint directory to bind the weights from.
+
+    A structural package (external weights) loaded without `weights` can be inspected but
+    not run: `Package.session` refuses until the weights are bound.
+    """
+    from b12x.runtime.weight_binding import bind_weights  # it raises PackageError: imported late
+
     root = Path(path)
     if not root.is_dir():
         raise PackageError(f"{root}: not a package directory")
@@ -159,18 +206,6 @@ def load(path) -> Package:
     _check_versions(manifest)
     _check_digest(manifest)
     contents = _check_files(root, manifest)
-    passes_json = manifest.get("passes")
-    if not isinstance(passes_json, dict) or not passes_json:
-        raise PackageError("manifest.json: 'passes' is missing or empty")
-    conventions = {n: {"inputs": e.get("inputs"), "outputs": e.get("outputs")} for n, e in passes_json.items()}
-    if fingerprint(conventions) != manifest.get("abi_fingerprint"):
-        raise PackageError("manifest.json: abi_fingerprint does not match the calling conventions")
+    passes_json = _check_fingerprint(manifest)
     passes = {name: _pass_info(name, entry, contents) for name, entry in passes_json.items()}
-    weights_name = manifest.get("weights", {}).get("file")
-    if weights_name not in contents:
-        raise PackageError(f"manifest.json: weights file {weights_name!r} is not a listed file")
-    try:
-        weights = safetensors.torch.load(contents[weights_name])
-    except Exception as exc:  # safetensors raises its own error type for malformed headers
-        raise PackageError(f"{weights_name}: not a valid safetensors file ({exc})") from None
-    return Package(root, manifest, passes, weights)
+    return Package(root, manifest, passes, bind_weights(manifest, contents, passes, weights))

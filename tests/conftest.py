@@ -108,3 +108,28 @@ def poison(session) -> None:
 
 def random_tokens(gen: torch.Generator, count: int, vocab: int = 512) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=gen).tolist()
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tiny_recipe, tmp_path_factory):
+    """The tiny recipe's weights as a checkpoint: safetensors shards, an index with sha256."""
+    from b12x.exporter.checkpoint import write_checkpoint
+    from b12x.exporter.dims import Dims
+    from b12x.exporter.weights import init_weights
+
+    weights = init_weights(Dims.from_recipe(tiny_recipe), tiny_recipe.model.init_seed)
+    return write_checkpoint(weights, tmp_path_factory.mktemp("checkpoint"), shard_bytes=1 << 20)
+
+
+@pytest.fixture(scope="session")
+def structural_path(tiny_recipe, checkpoint_dir, tmp_path_factory):
+    """The tiny recipe exported without weights (two jobs), checksums from the checkpoint's
+    index; the graph after every rewrite is dumped into the sibling folder `dump`."""
+    from b12x.exporter.checkpoint import index_checksums
+    from b12x.exporter.dims import Dims
+    from b12x.exporter.weights import weight_shapes
+
+    root = tmp_path_factory.mktemp("structural")
+    checksums = index_checksums(checkpoint_dir, weight_shapes(Dims.from_recipe(tiny_recipe)))
+    return export_package(tiny_recipe, root / "out", structural=True, checksums=checksums,
+                          dump_dir=root / "dump", jobs=2).path

@@ -87,3 +87,9 @@ def test_prefix_cache_benchmark_parts_work(tmp_path):
     snap = Snapshot(ident, 10, tokens, token_hash(ident.key, tokens), {"cache.x": rows}, {"cache.x": {"rows": 4}})
     [m] = prefix_cache.read_cases(tmp_path, {"tiny": snap}, Settings(repeat=1, warmup=0))
     assert m.benchmark == "prefix_cache.l2_read" and m.params["bytes"] > rows.nbytes and m.params["l2_MBps"] > 0
+
+
+def test_reexport_benchmarks_are_registered(tmp_path):
+    proc = run_runner("--only", "no-such-benchmark", "--json", str(tmp_path / "bench.json"))
+    assert proc.returncode == 2
+    assert "export.structural" in proc.stderr and "rewrite.scaling" in proc.stderr

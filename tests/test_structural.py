@@ -1,0 +1,116 @@
+"""Structural export: no weights in the package, the same graphs and ABI, weights bound at load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+
+from b12x.runtime import PackageError, load
+from b12x.runtime.checkpoint import INDEX
+from b12x.runtime.package import read_manifest
+
+GIB = 1 << 30
+
+
+def test_structural_package_has_the_full_packages_graphs_and_abi(structural_path, fused_path):
+    structural, full = (json.loads((p / "manifest.json").read_text()) for p in (structural_path, fused_path))
+    graphs = {name for name in full["files"] if name.startswith("graphs/")}
+    assert set(structural["files"]) == graphs  # no weights.safetensors
+    for name in graphs:  # captured on fake tensors, byte for byte what real weights give
+        assert (structural_path / name).read_bytes() == (fused_path / name).read_bytes(), name
+    assert structural["abi_fingerprint"] == full["abi_fingerprint"]
+    assert structural["format_version"] == "1.1"
+    tensors = structural["weights"]["tensors"]
+    assert structural["weights"]["external"] is True
+    assert tensors["embed"] == {"dtype": "float32", "shape": [512, 128], "sha256": tensors["embed"]["sha256"]}
+    assert all(len(t["sha256"]) == 64 for t in tensors.values())
+    weight_inputs = {s["name"] for p in full["passes"].values() for s in p["inputs"] if s["role"] == "weight"}
+    assert set(tensors) == weight_inputs
+
+
+def test_unbound_structural_package_loads_but_does_not_run(structural_path):
+    package = load(structural_path)
+    assert package.external_weights and package.weights is None
+    with pytest.raises(PackageError, match=r"weights are external and not bound; .*weights=CHECKPOINT_DIR"):
+        package.session(slots=1)
+
+
+def test_bound_checkpoint_replays_like_the_package_with_weights(structural_path, checkpoint_dir, fused_pkg):
+    package = load(structural_path, weights=checkpoint_dir)
+    assert package.weights.keys() == fused_pkg.weights.keys()
+    assert all(torch.equal(package.weights[n], fused_pkg.weights[n]) for n in package.weights)
+    outputs = []
+    for pkg in (package, fused_pkg):
+        session = pkg.session(slots=2, max_rows=2)
+        session.replay("prefill", tokens=[list(range(1, 65))], row_ids=[1], positions=[0], lengths=[40])
+        logits = session.replay("verify", tokens=[[5] * 8], row_ids=[1], positions=[40])["logits"].clone()
+        outputs.append((logits, {n: c.clone() for n, c in session.caches.items()}))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert all(torch.equal(outputs[0][1][n], outputs[1][1][n]) for n in outputs[0][1])
+
+
+def _edited_checkpoint(source, target, name, change):
+    """A copy of the checkpoint with tensor `name` replaced by change(tensor)."""
+    shutil.copytree(source, target)
+    shard = target / json.loads((target / INDEX).read_text())["weight_map"][name]
+    tensors = safetensors.torch.load_file(str(shard))
+    tensors[name] = change(tensors[name]).contiguous()
+    safetensors.torch.save_file(tensors, str(shard), metadata={"format": "pt"})
+    return target
+
+
+def test_load_rejects_a_missing_tensor_by_name(structural_path, checkpoint_dir, tmp_path):
+    broken = shutil.copytree(checkpoint_dir, tmp_path / "ckpt")
+    index = json.loads((broken / INDEX).read_text())
+    del index["weight_map"]["layers.3.wg"]
+    (broken / INDEX).write_text(json.dumps(index))
+    with pytest.raises(PackageError, match=r"^layers\.3\.wg: not in the checkpoint$"):
+        load(structural_path, weights=broken)
+
+
+def test_load_rejects_a_misshapen_tensor_by_name(structural_path, checkpoint_dir, tmp_path):
+    broken = _edited_checkpoint(checkpoint_dir, tmp_path / "ckpt", "layers.1.w_up", lambda t: t.T)
+    with pytest.raises(PackageError, match=r"layers\.1\.w_up: shape \[128, 256\] in .* does not match the package's \[256, 128\]"):
+        load(structural_path, weights=broken)
+
+
+def test_load_rejects_a_tensor_whose_bytes_changed(structural_path, checkpoint_dir, tmp_path):
+    broken = _edited_checkpoint(checkpoint_dir, tmp_path / "ckpt", "draft.0.wq", lambda t: t * 2)
+    with pytest.raises(PackageError, match=r"draft\.0\.wq: sha256 .* does not match the package's"):
+        load(structural_path, weights=broken)
+
+
+def test_manifest_weight_list_must_match_the_pass_inputs(structural_path, tmp_path):
+    copy = shutil.copytree(structural_path, tmp_path / "copy.b12x")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["weights"]["tensors"]["embed"]["shape"] = [512, 64]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match=r"weights\.tensors\.embed does not match the pass inputs"):
+        load(copy)
+
+
+@pytest.mark.slow
+def test_full_size_structural_export(tmp_path):
+    """Every pass of the full-size recipe, on this CPU, without 500 GB of weights."""
+    from b12x.exporter.dims import Dims
+    from b12x.exporter.export import export_package
+    from b12x.exporter.recipe import load_recipe
+    from b12x.exporter.weights import weight_shapes
+
+    recipe = load_recipe("dsv41")
+    started, finished = [], []
+    result = export_package(recipe, tmp_path, structural=True, jobs=2, on_capture=started.append,
+                            on_pass=lambda name, records: finished.append((name, records[0].matches)))
+    assert sorted(started) == sorted(n for n, _ in finished) == ["commit", "draft", "prefill", "verify"]
+    assert dict(finished) == {"prefill": 0, "verify": 40, "draft": 3, "commit": 0}  # as the recipe expects
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["graphs/commit.pt2", "graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2"]
+    tensors = manifest["weights"]["tensors"]
+    assert tensors["embed"] == {"dtype": "float32", "shape": [129280, 5120]}  # no index given: no checksums
+    assert set(tensors) == set(weight_shapes(Dims.from_recipe(recipe)))
+    assert max(result.peak_rss_bytes.values()) < 4 * GIB
+    assert read_manifest(result.path)["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8, 16, 32]
