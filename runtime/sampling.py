@@ -19,7 +19,8 @@ import torch
 
 def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     # float64: the acceptance ratio p/q of two small probabilities must not round to 0 or inf.
-    return torch.softmax(logits.double() / temperature, dim=-1)
+    # On the CPU: request generators are CPU generators, so a seed draws the same on any device.
+    return torch.softmax(logits.to("cpu", torch.float64) / temperature, dim=-1)
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
