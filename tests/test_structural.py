@@ -9,6 +9,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from b12x.exporter.package_writer import manifest_digest
+
 from b12x.runtime import PackageError, load
 from b12x.runtime.checkpoint import INDEX
 from b12x.runtime.package import read_manifest
@@ -88,6 +90,7 @@ def test_manifest_weight_list_must_match_the_pass_inputs(structural_path, tmp_pa
     copy = shutil.copytree(structural_path, tmp_path / "copy.b12x")
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["weights"]["tensors"]["embed"]["shape"] = [512, 64]
+    manifest["manifest_sha256"] = manifest_digest(manifest)  # a consistent edit, not corruption
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(PackageError, match=r"weights\.tensors\.embed does not match the pass inputs"):
         load(copy)
