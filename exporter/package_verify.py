@@ -47,16 +47,7 @@ class Check:
 
 def poison(session, staging: bool = True) -> None:
     """0xFF bytes, NaN floats, -1 integers in every buffer a replay may overwrite."""
-    keep = set() if staging else {t.data_ptr() for t in session.staging.values()}
-    for tensor in session.reusable_storage():
-        if tensor.data_ptr() in keep:
-            continue
-        if tensor.dtype == torch.uint8:
-            tensor.fill_(0xFF)
-        elif tensor.dtype.is_floating_point:
-            tensor.fill_(float("nan"))
-        else:
-            tensor.fill_(-1)
+    session.poison(keep_staging=not staging)
 
 
 def buffer_format(name: str, d: Dims) -> tuple[str, int] | None:

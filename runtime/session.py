@@ -149,6 +149,24 @@ class Session:
                 out += list(bucket.inputs.values()) + list(bucket.outputs.values())
         return out
 
+    def poison(self, keep_staging: bool = False) -> None:
+        """Fill reusable storage with garbage (0xFF bytes, NaN floats, -1 integers).
+
+        Replays must not read anything they did not write first; tests and the verify
+        command call this before each replay to prove it. keep_staging spares the staging
+        buffers (commit reads what verify staged).
+        """
+        keep = {t.data_ptr() for t in self.staging.values()} if keep_staging else set()
+        for tensor in self.reusable_storage():
+            if tensor.data_ptr() in keep:
+                continue
+            if tensor.dtype == torch.uint8:
+                tensor.fill_(0xFF)
+            elif tensor.dtype.is_floating_point:
+                tensor.fill_(float("nan"))
+            else:
+                tensor.fill_(-1)
+
     def buffer_addresses(self) -> dict[str, tuple[int, int]]:
         """(data pointer, bytes) of every caller-owned buffer and static input/output."""
         out = {n: (t.data_ptr(), t.nbytes) for n, t in {**self.caches, **self.staging}.items()}

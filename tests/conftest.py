@@ -97,13 +97,7 @@ def one_torch_thread():
 
 def poison(session) -> None:
     """Fill every reusable buffer with garbage: 0xFF bytes, NaN floats, -1 integers."""
-    for tensor in session.reusable_storage():
-        if tensor.dtype == torch.uint8:
-            tensor.fill_(0xFF)
-        elif tensor.dtype.is_floating_point:
-            tensor.fill_(float("nan"))
-        else:
-            tensor.fill_(-1)
+    session.poison()
 
 
 def random_tokens(gen: torch.Generator, count: int, vocab: int = 512) -> list[int]:
