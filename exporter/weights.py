@@ -59,7 +59,3 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
             tensor = torch.randn(shape, generator=gen) / shape[1] ** 0.5
         weights[name] = tensor.to(device)
     return weights
-
-
-def meta_weights(d: Dims) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(d).items()}
