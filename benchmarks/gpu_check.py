@@ -140,6 +140,22 @@ def poison(session) -> None:
     session.poison()
 
 
+def poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept):
+    """Draft, verify and commit one step with reusable storage poisoned before each replay.
+
+    Returns (draft logits, verify logits, staging after each pass): what a fused and an
+    unfused session must agree on byte for byte.
+    """
+    poison(session)
+    draft = session.replay("draft", tokens=draft_tokens, row_ids=slots, positions=positions)["logits"].clone()
+    staging = {k: v.clone() for k, v in session.staging.items() if k.startswith("staging.draft.")}
+    poison(session)
+    verify = session.replay("verify", tokens=verify_tokens, row_ids=slots, positions=positions)["logits"].clone()
+    staging.update({k: v.clone() for k, v in session.staging.items() if k.startswith("staging.verify.")})
+    session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
+    return draft, verify, staging
+
+
 def open_session(pkg, device: str, seed: int = 7):
     import torch
 
@@ -167,16 +183,8 @@ def fused_vs_unfused(fused, unfused) -> None:
             verify_tokens = torch.randint(0, vocab, (rows, 8), generator=gen).tolist()
             accept = torch.randint(0, 9, (rows,), generator=gen).tolist()
             accept[0] = 8 if step_no == 0 else accept[0]
-            seen = []
-            for session in sessions:
-                poison(session)
-                draft = session.replay("draft", tokens=draft_tokens, row_ids=slots, positions=positions)["logits"].clone()
-                staging = {k: v.clone() for k, v in session.staging.items() if k.startswith("staging.draft.")}
-                poison(session)
-                verify = session.replay("verify", tokens=verify_tokens, row_ids=slots, positions=positions)["logits"].clone()
-                staging.update({k: v.clone() for k, v in session.staging.items() if k.startswith("staging.verify.")})
-                session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
-                seen.append((draft, verify, staging))
+            seen = [poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept)
+                    for session in sessions]
             (d0, v0, s0), (d1, v1, s1) = seen
             if not (torch.equal(d0, d1) and torch.equal(v0, v1)):
                 problems.append(f"logits differ at step {step_no}")

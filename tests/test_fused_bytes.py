@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from b12x.runtime.speculative import Decoder
-from conftest import poison, random_tokens
+from benchmarks.gpu_check import poisoned_step
+from conftest import random_tokens
 
 PROMPT_LENGTHS = (200, 37, 129, 1)  # past the window (ring wrapped), short, just past it, one token
 
@@ -45,16 +46,8 @@ def test_staging_and_persistent_bytes_identical(fused_pkg, unfused_pkg, rows):
         verify_tokens = [random_tokens(gen, 8) for _ in slots]
         accept = torch.randint(0, 9, (len(slots),), generator=gen).tolist()
         accept[0] = 8 if step == 0 else accept[0]  # at least one full-width commit
-        outputs = []
-        for session in sessions:
-            poison(session)
-            draft = session.replay("draft", tokens=draft_tokens, row_ids=slots, positions=positions)["logits"].clone()
-            staging = {k: v.clone() for k, v in session.staging.items() if k.startswith("staging.draft.")}
-            poison(session)
-            verify = session.replay("verify", tokens=verify_tokens, row_ids=slots, positions=positions)["logits"].clone()
-            staging.update({k: v.clone() for k, v in session.staging.items() if k.startswith("staging.verify.")})
-            session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
-            outputs.append((draft, verify, staging))
+        outputs = [poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept)
+                   for session in sessions]
         (d0, v0, s0), (d1, v1, s1) = outputs
         assert torch.equal(d0, d1) and torch.equal(v0, v1)
         assert s0.keys() == s1.keys()
