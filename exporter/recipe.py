@@ -32,6 +32,7 @@ __all__ = [
 
 KNOWN_REWRITES = ("fuse_window_snapshot",)
 PASS_NAMES = ("prefill", "verify", "draft", "commit")
+FAMILIES = ("deepseek_v41", "deepseek_v4")
 PassName = Literal["prefill", "verify", "draft", "commit"]
 KeyPath = tuple[str | int, ...]
 
@@ -163,6 +164,122 @@ class ModelSpec(_Spec):
         return self
 
 
+class YarnSpec(_Spec):
+    """YaRN scaling of the compress RoPE (DeepSeek V4: factor 16; cos/sin are not rescaled)."""
+
+    factor: PosFloat
+    original_max_position_embeddings: PosInt
+    beta_fast: PosFloat = 32.0
+    beta_slow: PosFloat = 1.0
+
+
+class IndexerSpec(_Spec):
+    """The lightning indexer of CSA layers: scores compressed entries, keeps the top `topk`."""
+
+    heads: PosInt
+    head_dim: Annotated[PosInt, _check(lambda v: v % 2 == 0, "even (RoPE rotates pairs)")]
+    topk: PosInt
+
+
+class HyperConnectionSpec(_Spec):
+    """Manifold-constrained hyper-connections: `mult` residual streams, Sinkhorn-projected mixing."""
+
+    mult: PosInt
+    sinkhorn_iters: PosInt
+    eps: PosFloat
+
+
+class MoeSpec(_Spec):
+    experts: PosInt
+    experts_per_token: PosInt
+    shared_experts: Annotated[int, Strict(), Field(ge=0, le=1)]
+    intermediate_size: PosInt
+    hash_layers: NonNegInt  # the first `hash_layers` layers route by a token-id table
+    scoring: Literal["sqrtsoftplus", "sigmoid", "softmax"]
+    routed_scaling_factor: PosFloat
+    swiglu_limit: PosFloat
+
+
+class MtpSpec(_Spec):
+    """Multi-token prediction draft stages: each a window-only V4 block fed with the target's
+    streams and the next token's embedding; drafts are chained one token at a time."""
+
+    stages: Annotated[int, Strict(), Literal[1]]
+
+
+CompressRatioV4 = Annotated[int, Strict(), Field(ge=0)]
+
+
+class V4ModelSpec(_Spec):
+    """DeepSeek V4 as Hugging Face `transformers` implements it (DeepseekV4ForCausalLM)."""
+
+    family: Literal["deepseek_v4"]
+    vocab_size: PosInt
+    hidden_size: PosInt
+    num_layers: PosInt
+    num_heads: PosInt
+    head_dim: Annotated[PosInt, _check(lambda v: v % 32 == 0, "a multiple of 32")]
+    rope_head_dim: Annotated[PosInt, _check(lambda v: v % 2 == 0, "even (RoPE rotates pairs)")]
+    q_lora_rank: PosInt
+    o_groups: PosInt
+    o_lora_rank: PosInt
+    # Per target layer, then per MTP stage: 0 window only, csa_ratio (CSA), hca_ratio (HCA).
+    compress_ratios: tuple[CompressRatioV4, ...]
+    csa_ratio: PosInt
+    hca_ratio: PosInt
+    window: PosInt
+    max_seq_len: PosInt
+    rms_norm_eps: PosFloat
+    rope_theta: PosFloat
+    compress_rope_theta: PosFloat
+    yarn: YarnSpec | None = None
+    indexer: IndexerSpec
+    hyper_connections: HyperConnectionSpec
+    moe: MoeSpec
+    draft: MtpSpec
+    init_seed: NonNegInt
+
+    @property
+    def target_ratios(self) -> tuple[int, ...]:
+        return self.compress_ratios[: self.num_layers]
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> V4ModelSpec:
+        if self.rope_head_dim > self.head_dim:
+            raise _problem(f"{self.rope_head_dim} is larger than head_dim {self.head_dim}", ("rope_head_dim",))
+        if self.rope_head_dim > self.indexer.head_dim:
+            raise _problem(f"{self.indexer.head_dim} is smaller than rope_head_dim {self.rope_head_dim}",
+                           ("indexer", "head_dim"))
+        if self.csa_ratio == self.hca_ratio:
+            raise _problem(f"{self.hca_ratio} equals csa_ratio; the two compressed layer kinds need distinct "
+                           "ratios", ("hca_ratio",))
+        if (self.num_heads * self.head_dim) % self.o_groups:
+            raise _problem(f"{self.o_groups} does not divide num_heads * head_dim = "
+                           f"{self.num_heads * self.head_dim}", ("o_groups",))
+        if self.moe.experts_per_token > self.moe.experts:
+            raise _problem(f"{self.moe.experts_per_token} is more than moe.experts = {self.moe.experts}",
+                           ("moe", "experts_per_token"))
+        if self.moe.hash_layers > self.num_layers:
+            raise _problem(f"{self.moe.hash_layers} is more than num_layers = {self.num_layers}",
+                           ("moe", "hash_layers"))
+        expected = self.num_layers + self.draft.stages
+        if len(self.compress_ratios) != expected:
+            raise _problem(f"has {len(self.compress_ratios)} entries; expected num_layers + draft.stages"
+                           f" = {expected}", ("compress_ratios",))
+        allowed = (0, self.csa_ratio, self.hca_ratio)
+        for i, ratio in enumerate(self.compress_ratios):
+            if i >= self.num_layers and ratio != 0:
+                raise _problem(f"MTP stage entry is {ratio}; MTP stages use the window only, so it must be 0",
+                               ("compress_ratios", i))
+            if ratio not in allowed:
+                raise _problem(f"{ratio} is not 0, csa_ratio {self.csa_ratio} or hca_ratio {self.hca_ratio}",
+                               ("compress_ratios", i))
+        for ratio in (self.csa_ratio, self.hca_ratio):
+            if self.max_seq_len % ratio:
+                raise _problem(f"{self.max_seq_len} is not a multiple of compress ratio {ratio}", ("max_seq_len",))
+        return self
+
+
 class StagingSpec(_Spec):
     layout: Literal["NHD", "HND"]
     page_size: Annotated[PosInt, _check(lambda v: v & (v - 1) == 0, "a power of two")]
@@ -173,6 +290,7 @@ class CacheSpec(_Spec):
     window_format: Literal["mxfp8", "bf16", "fp32"]
     compressed_format: Literal["nvfp4", "mxfp8", "bf16", "fp32"]
     state_format: Literal["fp32"]
+    index_format: Literal["mxfp8", "bf16", "fp32"] = "fp32"  # CSA index keys (deepseek_v4)
     staging: StagingSpec
 
 
@@ -230,7 +348,7 @@ class RewriteSpec(_Spec):
 class Recipe(_Spec):
     recipe_version: Annotated[Literal[1], BeforeValidator(_no_bool)]
     name: Annotated[str, Strict(), Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")]
-    model: ModelSpec
+    model: Annotated[ModelSpec | V4ModelSpec, Field(discriminator="family")]
     cache: CacheSpec
     passes: Passes
     rewrites: tuple[RewriteSpec, ...] = ()
@@ -269,7 +387,9 @@ class Recipe(_Spec):
                                f"(qualified: {', '.join(map(str, qualified))}); drop fuse_window_snapshot "
                                f"from rewrites to export unfused", key)
         # Sites: one snapshot per target layer in verify, per draft stage in draft, none elsewhere.
-        sites = {"prefill": 0, "verify": self.model.num_layers, "draft": self.model.draft.stages, "commit": 0}
+        # MTP drafts one token at a time and reads its window without appending a block.
+        draft_sites = 0 if self.model.family == "deepseek_v4" else self.model.draft.stages
+        sites = {"prefill": 0, "verify": self.model.num_layers, "draft": draft_sites, "commit": 0}
         for pass_name, expected in rewrite.expect_matches.items():
             if expected > sites[pass_name]:
                 raise _problem(f"{expected} matches are impossible: the {pass_name} graph has {sites[pass_name]} "
@@ -296,13 +416,17 @@ def _sort_keys(value: Any) -> Any:
 
 def _locate(error: dict[str, Any], lines: Lines, file: str) -> RecipeError:
     """Turn pydantic's first error into a RecipeError at the deepest line we know."""
-    # "[key]" marks a bad dict key; the key itself is already the previous entry.
-    path = tuple(p for p in error["loc"] if p != "[key]")
+    # "[key]" marks a bad dict key; a family tag is pydantic's, not a key of the file.
+    path = tuple(p for p in error["loc"] if p != "[key]" and p not in FAMILIES)
     ctx = error.get("ctx") or {}
     message = error["msg"]
     if error["type"] == "recipe_check":
         path += tuple(ctx["path"])
         message = ctx["detail"]
+    elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        path += ("family",)
+        message = f"expected one of {', '.join(FAMILIES)}" + (
+            f", got {ctx['tag']!r}" if "tag" in ctx else "; the key is missing")
     elif error["type"] == "extra_forbidden":
         message = f"unknown key {path[-1]!r}; it is not part of recipe version 1"
     # A missing key has no line of its own, so this falls back to its parent mapping.
