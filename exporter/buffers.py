@@ -61,3 +61,11 @@ def row_input(name: str, *shape) -> BufferSpec:
 
 def logits_output(d: Dims, width: int) -> BufferSpec:
     return BufferSpec("logits", "output", "float32", ("rows", width, d.vocab))
+
+
+def family_cache_specs(d: Dims) -> list[BufferSpec]:
+    if d.family == "deepseek_v4":
+        from b12x.exporter import v4_buffers
+
+        return v4_buffers.cache_specs(d)
+    return cache_specs(d)

@@ -203,4 +203,18 @@ class CommitPass(PassModule):
         return {"next_positions": next_positions}
 
 
-PASSES = {cls.name: cls for cls in (PrefillPass, VerifyPass, DraftPass, CommitPass)}
+V41_PASSES = {cls.name: cls for cls in (PrefillPass, VerifyPass, DraftPass, CommitPass)}
+
+
+def _for_family(name):
+    def make(d: Dims) -> torch.nn.Module:
+        if d.family == "deepseek_v4":
+            from b12x.exporter.v4_passes import PASSES as V4_PASSES
+
+            return V4_PASSES[name](d)
+        return V41_PASSES[name](d)
+    return make
+
+
+# Pass name -> factory taking Dims, in pass order; the recipe's family picks the model.
+PASSES = {name: _for_family(name) for name in V41_PASSES}

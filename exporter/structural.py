@@ -15,23 +15,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from b12x.exporter.dims import Dims
-from b12x.exporter.weights import weight_shapes
-
-WEIGHT_DTYPE = "float32"  # what buffers.weight_specs declares for every weight
+from b12x.exporter.weights import weight_specs
 
 
 def fake_weights(d: Dims) -> dict[str, torch.Tensor]:
     """Fresh shape-only weights for one capture."""
     with FakeTensorMode(shape_env=ShapeEnv()):
-        return {name: torch.empty(shape, dtype=torch.float32) for name, shape in weight_shapes(d).items()}
+        return {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in weight_specs(d).items()}
 
 
 def external_weights(d: Dims, checksums: dict[str, str] | None = None) -> dict:
     """The manifest's `weights` entry of a structural package: what a checkpoint must hold."""
     checksums = checksums or {}
     tensors = {}
-    for name, shape in weight_shapes(d).items():
-        tensors[name] = {"dtype": WEIGHT_DTYPE, "shape": list(shape)}
+    for name, (shape, dtype) in weight_specs(d).items():
+        tensors[name] = {"dtype": dtype, "shape": list(shape)}
         if name in checksums:
             tensors[name]["sha256"] = checksums[name]
     return {"external": True, "source": "external: bound from a checkpoint at load time", "tensors": tensors}

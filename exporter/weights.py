@@ -22,7 +22,20 @@ def _block_shapes(d: Dims, prefix: str) -> dict[str, tuple[int, ...]]:
     }
 
 
+def weight_specs(d: Dims) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every weight's (shape, dtype), by name, for either model family."""
+    if d.family == "deepseek_v4":
+        from b12x.exporter.v4_weights import v4_weight_specs
+
+        return v4_weight_specs(d)
+    return {name: (shape, "float32") for name, shape in _v41_shapes(d).items()}
+
+
 def weight_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, (shape, _) in weight_specs(d).items()}
+
+
+def _v41_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
     shapes = {"embed": (d.vocab, d.hidden)}
     for i, ratio in enumerate(d.ratios):
         prefix = f"layers.{i}."
@@ -48,6 +61,10 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
     Norm weights are ones; matrices are N(0, 1/fan_in) so activations keep unit scale and
     logits are spread out (top-2 near ties are rare, which keeps greedy checks sharp).
     """
+    if d.family == "deepseek_v4":
+        from b12x.exporter.v4_weights import v4_init_weights
+
+        return v4_init_weights(d, seed, device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(d).items():

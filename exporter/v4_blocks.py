@@ -1,0 +1,180 @@
+"""DeepSeek V4 compute blocks, on an explicit weights dict named as the checkpoint names them.
+
+Each function mirrors one piece of the reference model: interleaved partial RoPE (with
+YaRN on compressed layers), latent MQA with a learned per-head sink and a grouped output
+projection, manifold-constrained hyper-connections, and the hash / routed MoE. Cache
+access is not here: the pass modules hand these blocks decoded key rows and masks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def unit_rms_norm(x, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+# --- RoPE ----------------------------------------------------------------------------
+
+def inv_freq(theta: float, rope_dim: int, yarn: tuple | None, device=None) -> torch.Tensor:
+    """Per-pair inverse frequencies; YaRN blends interpolated and extrapolated ones.
+
+    Computed in the graph from `arange` (a package stores no tensor constants), with the
+    reference's float32 operation order so the angles are bit-identical.
+    """
+    pos_freqs = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float, device=device) / rope_dim)
+    if yarn is None:
+        return 1.0 / pos_freqs
+    factor, original, beta_fast, beta_slow = yarn
+
+    def correction_dim(rotations):
+        return (rope_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # the reference's guard against a zero-width ramp
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_angles(pos: torch.Tensor, freqs: torch.Tensor):
+    angle = pos.to(torch.float32)[..., None] * freqs.to(pos.device)
+    return angle.cos(), angle.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive channel pairs of the trailing 2 * cos.shape[-1] channels."""
+    rope_dim = 2 * cos.shape[-1]
+    nope, r = x[..., :-rope_dim], x[..., -rope_dim:]
+    x1, x2 = r[..., 0::2], r[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+# --- attention -----------------------------------------------------------------------
+
+def attend_with_sink(q, keys, visible, sinks):
+    """Latent MQA (K = V): q [R,T,H,D], keys [R,S,D], visible [R,T,S] -> [R,T,H,D].
+
+    The sink is one more logit per head that takes probability mass and returns nothing.
+    """
+    scores = torch.einsum("rthd,rsd->rths", q, keys) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    sink = sinks.view(1, 1, -1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+    return torch.einsum("rths,rsd->rthd", probs, keys)
+
+
+def grouped_out(w, a, out, groups):
+    """Grouped low-rank output projection: per head group to o_lora_rank, then mixed."""
+    R, T = out.shape[:2]
+    x = out.reshape(R, T, groups, -1)
+    wa = w[a + "o_a_proj.weight"]
+    y = torch.einsum("rtgi,goi->rtgo", x, wa.view(groups, -1, x.shape[-1]))
+    return F.linear(y.flatten(2), w[a + "o_b_proj.weight"])
+
+
+# --- hyper-connections -----------------------------------------------------------------
+
+def hc_mix(w, prefix, streams, iters, hc_eps, eps):
+    """Pre/post/comb weights from the streams [R,T,N,D]; returns (post, comb, collapsed)."""
+    n = streams.shape[-2]
+    flat = unit_rms_norm(streams.flatten(-2), eps)
+    mix = F.linear(flat, w[prefix + "fn"])
+    base, scale = w[prefix + "base"], w[prefix + "scale"]
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = mix[..., 2 * n :].unflatten(-1, (n, n)) * scale[2] + base[2 * n :].view(n, n)
+    comb = comb_logits.softmax(dim=-1) + hc_eps
+    # Sinkhorn: alternate column and row normalisation towards a doubly stochastic matrix.
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre[..., None] * streams).sum(dim=-2)
+    return post, comb, collapsed
+
+
+def hc_merge(post, comb, block_out, streams):
+    """Expand a block's output to the streams and add the comb-mixed residual."""
+    return post[..., None] * block_out[..., None, :] + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+def hc_head(w, prefix, streams, hc_eps, eps):
+    flat = unit_rms_norm(streams.flatten(-2), eps)
+    mix = F.linear(flat, w[prefix + "hc_head.hc_fn"])
+    pre = torch.sigmoid(mix * w[prefix + "hc_head.hc_scale"] + w[prefix + "hc_head.hc_base"]) + hc_eps
+    return (pre[..., None] * streams).sum(dim=-2)
+
+
+# --- MoE -------------------------------------------------------------------------------
+
+SCORING = {
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: x.softmax(dim=-1),
+}
+
+
+def _swiglu(gate, up, limit):
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def moe(w, m, x, tokens, v):
+    """Routed experts (dense over experts, weights zero where not routed) plus shared ones.
+
+    x [R,T,D]; hash layers take their experts from the token-id table `tid2eid`.
+    """
+    scores = SCORING[v.scoring](F.linear(x, w[m + "gate.weight"]))
+    if m + "gate.tid2eid" in w:
+        chosen = w[m + "gate.tid2eid"][tokens.long()]
+    else:
+        chosen = torch.topk(scores + w[m + "gate.e_score_correction_bias"], v.experts_per_token, dim=-1).indices
+    picked = scores.gather(-1, chosen)
+    picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20) * v.routed_scaling
+    weights = torch.zeros_like(scores).scatter(-1, chosen, picked)  # [R,T,E]
+    gate_up = torch.einsum("rtd,eod->rteo", x, w[m + "experts.gate_up_proj"])
+    gate, up = gate_up.chunk(2, dim=-1)
+    routed = torch.einsum("rtei,edi,rte->rtd", _swiglu(gate, up, v.swiglu_limit), w[m + "experts.down_proj"], weights)
+    if m + "shared_experts.gate_proj.weight" not in w:
+        return routed
+    s = m + "shared_experts."
+    shared = _swiglu(F.linear(x, w[s + "gate_proj.weight"]), F.linear(x, w[s + "up_proj.weight"]), v.swiglu_limit)
+    return routed + F.linear(shared, w[s + "down_proj.weight"])
+
+
+# --- compressor pooling ------------------------------------------------------------------
+
+def pool(series, positions, ratio, width, bias, overlap):
+    """Softmax-gated pool of the rows ending at each position.
+
+    series [R, S, 2*width] holds raw [kv | gate] rows at absolute `positions` [R, S]; the
+    last T = S - span + 1 rows are this pass's. Rows at negative positions do not exist
+    (weight 0). Non-overlapping: the `ratio` rows of a group, gate + bias[j]. Overlapping
+    (CSA): the previous group's first series (Ca) beside this group's second series (Cb),
+    2 * ratio slots. The result [R, T, dim] is meaningful where a group closes.
+    """
+    span = 2 * ratio if overlap else ratio
+    exists = positions >= 0
+    kv = torch.where(exists[..., None], series[..., :width], torch.zeros_like(series[..., :width]))
+    gate = series[..., width:].masked_fill(~exists[..., None], float("-inf"))
+    kv, gate = kv.unfold(1, span, 1), gate.unfold(1, span, 1)  # [R, T, width, span]
+    if overlap:
+        dim = width // 2
+        kv = torch.cat([kv[:, :, :dim, :ratio], kv[:, :, dim:, ratio:]], dim=-1)
+        gate = torch.cat([gate[:, :, :dim, :ratio] + bias[:, :dim].t(), gate[:, :, dim:, ratio:] + bias[:, dim:].t()],
+                         dim=-1)
+    else:
+        gate = gate + bias.t()
+    return (kv * gate.softmax(dim=-1)).sum(dim=-1)
