@@ -31,8 +31,8 @@ import torch
 
 from b12x.runtime.prefix_keys import Identity, package_identity, token_bytes, token_hash, token_ids
 
-_LAYER = re.compile(r"^cache\.layer(\d+)\.(window|compressed|state)$")
-_DRAFT = re.compile(r"^cache\.draft(\d+)\.window$")
+_LAYER = re.compile(r"^cache\.layer(\d+)\.(window|compressed|state|index|index_state)$")
+_DRAFT = re.compile(r"^cache\.draft(\d+)\.(window|hidden)$")
 SEQ_LEN = "cache.seq_len"
 
 
@@ -82,13 +82,18 @@ def cache_layout(specs, ratios, max_seq_len: int) -> dict[str, CacheKind]:
             raise LayoutError(f"{spec.name}: expected uint8 [slots, rows, bytes], got {spec.dtype} {list(spec.shape)}")
         capacity, row_bytes = spec.shape[1], spec.shape[2]
         layer, draft = _LAYER.match(spec.name), _DRAFT.match(spec.name)
-        if draft or (layer and layer.group(2) == "window"):
+        if (draft and draft.group(2) == "window") or (layer and layer.group(2) == "window"):
             kind = CacheKind(spec.name, "ring", capacity, row_bytes, window=True)
+        elif draft:  # the MTP stage's input: the streams of the last committed position
+            if capacity != 1:
+                raise LayoutError(f"{spec.name}: expected one row per slot, got {capacity}")
+            kind = CacheKind(spec.name, "ring", capacity, row_bytes)
         elif layer:
             index = int(layer.group(1))
             ratio = ratios[index] if index < len(ratios) else 0
-            if layer.group(2) == "state":
-                if ratio < 2 or capacity != ratio:
+            if layer.group(2).endswith("state"):
+                # One group of raw rows, or two where the compressor overlaps groups (CSA).
+                if ratio < 2 or capacity not in (ratio, 2 * ratio):
                     raise LayoutError(f"{spec.name}: a state ring of {capacity} rows does not fit compress ratio {ratio}")
                 kind = CacheKind(spec.name, "ring", capacity, row_bytes)
             else:
