@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HfConfigError", "model_fields", "read_config", "recipe_from_hf_config", "tied_embeddings"]
+__all__ = ["HfConfigError", "model_fields", "read_config", "recipe_from_hf_config", "recipe_name", "tied_embeddings"]
 
 CONFIG = "config.json"
 CONFIG_LIMIT = 4 << 20  # a real V4 config is a few KB; the cap keeps a wrong file from being parsed
@@ -37,7 +37,8 @@ YARN_IGNORED = {"mscale", "mscale_all_dim", "truncate"}
 
 
 class HfConfigError(ValueError):
-    """config.json cannot describe a b12x V4 model; the message starts with the key at fault."""
+    """config.json cannot be read, or cannot describe a b12x V4 model; the message starts with
+    the file or the key at fault."""
 
 
 def read_config(path) -> dict[str, Any]:
@@ -46,15 +47,15 @@ def read_config(path) -> dict[str, Any]:
     if path.is_dir():
         path = path / CONFIG
     if not path.is_file():
-        raise HfConfigError(f"{path.name}: " + ("not a regular file" if path.exists() else "does not exist"))
+        raise HfConfigError(f"{path}: " + ("not a regular file" if path.exists() else "does not exist"))
     if path.stat().st_size > CONFIG_LIMIT:
-        raise HfConfigError(f"{path.name}: larger than {CONFIG_LIMIT} bytes; not a model config")
+        raise HfConfigError(f"{path}: larger than {CONFIG_LIMIT} bytes; not a model config")
     try:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
-        raise HfConfigError(f"{path.name}: not readable as JSON ({exc})") from None
+        raise HfConfigError(f"{path}: not readable as JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise HfConfigError(f"{path.name}: top level is a {type(data).__name__}; expected a JSON object")
+        raise HfConfigError(f"{path}: top level is a {type(data).__name__}; expected a JSON object")
     return data
 
 
@@ -192,7 +193,8 @@ def _compress_ratios(f: _Fields, layers: int, stages: int) -> list[int]:
             key = f"compress_ratios[{i}]"
             if i >= layers:  # the MTP stage's own entry: b12x's MTP stage attends its window only
                 if ratio != 0:
-                    raise HfConfigError(f"{key}: the MTP stage's entry is {ratio!r}; b12x's MTP stage is window-only (0)")
+                    raise HfConfigError(f"{key}: the MTP stage's entry is {ratio!r}; b12x's MTP stage is "
+                                        "window-only (0)")
                 continue
             kinds.append(LEGACY_RATIO_KINDS[_choice(_int(ratio, key, 0), key, tuple(LEGACY_RATIO_KINDS))])
         source = "compress_ratios"
