@@ -5,9 +5,11 @@ The directory is what `save_pretrained` writes (config.json, safetensors shards 
 `mtp.{s}.`, which real V4 checkpoints ship and `transformers` does not load. Only JSON
 and safetensors are read, so nothing in the directory is ever executed.
 
+Tensors may be named as DeepSeek's release names them (what `save_pretrained` writes by
+default, one tensor per routed expert) or as `state_dict()` does; `hf_names` maps them.
 Import is all or nothing: config.json must describe the recipe's model, and the shards
-must hold exactly the tensors `v4_weight_specs` names, each with the recipe's shape and
-dtype. A problem is a `CheckpointError` naming the tensor or config key, what the recipe
+must hold exactly the weights `v4_weight_specs` names, once each, with the recipe's shape
+and dtype. A problem is a `CheckpointError` naming the tensor or config key, what the recipe
 expects and what the checkpoint has.
 """
 
@@ -18,8 +20,8 @@ from pathlib import Path
 import torch
 
 from b12x.exporter.dims import Dims
-from b12x.exporter.hf_names import Target, target_of
 from b12x.exporter.hf_config import CONFIG, YARN_KEYS, HfConfigError, model_fields, read_config, tied_embeddings
+from b12x.exporter.hf_names import Target, target_of
 from b12x.exporter.v4_weights import v4_weight_specs
 from b12x.runtime.checkpoint import CheckpointError, read_checkpoint, weight_map
 
@@ -155,7 +157,7 @@ def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{root}: not a checkpoint directory")
     try:
         config = read_config(root / CONFIG)
-    except HfConfigError as exc:  # already names the file
+    except HfConfigError as exc:  # names the file already
         raise CheckpointError(str(exc)) from None
     tied = _check_config(config, d)
     specs = v4_weight_specs(d)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -318,3 +320,10 @@ def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tmp_path, monke
     expected = expected_weights(ckpt)
     assert list(seen["weights"]) == list(expected)
     assert all(torch.equal(seen["weights"][name], t) for name, t in expected.items())
+
+
+def test_the_import_needs_no_transformers():
+    # transformers is a test dependency only: the exporter reads config.json as JSON.
+    code = ("import sys, b12x.exporter.hf_checkpoint, b12x.exporter.cmd_recipe, b12x.exporter.cli;"
+            "sys.exit(1 if 'transformers' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
