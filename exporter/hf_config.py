@@ -234,8 +234,9 @@ def _rope_sections(config: dict) -> tuple[dict, dict, str, str, bool]:
             raise HfConfigError(f"{key}: {given!r} is not an object")
         if isinstance(given.get("main"), dict) and isinstance(given.get("compress"), dict):
             return given["main"], given["compress"], f"{key}.main", f"{key}.compress", True
-        # Flat: transformers applies it to the compressed layers; the main RoPE is plain.
-        flat = {k: v for k, v in given.items() if k not in ("main", "compress")}
+        # Flat: transformers applies it to the compressed layers (the main RoPE is plain) and
+        # overwrites its rope_theta and partial_rotary_factor from the top-level keys.
+        flat = {k: v for k, v in given.items() if k not in ("main", "compress", "rope_theta", "partial_rotary_factor")}
         return {}, flat, f"{key}.main", key, False
     return {}, {}, "rope_parameters.main", "rope_parameters", False
 
@@ -274,10 +275,12 @@ def _rope(f: _Fields, head_dim: int, rope_dim: int) -> None:
         return
     _choice(kind, f"{compress_key}.rope_type", ("default", "yarn"))
     _unknown(compress, compress_key, ROPE_KEYS | set(YARN_KEYS) | {"attention_factor"} | YARN_IGNORED)
-    # The V4 reference never rescales cos/sin; transformers pins attention_factor to 1.0.
-    if compress.get("attention_factor") not in (None, 1, 1.0):
-        raise HfConfigError(f"{compress_key}.attention_factor: {compress['attention_factor']!r} is not supported; "
-                            "DeepSeek V4 does not rescale cos/sin (1.0)")
+    # The V4 reference never rescales cos/sin. transformers fills in attention_factor 1.0 for
+    # a flat rope_parameters only; a nested one without it gets YaRN's mscale (about 1.28).
+    factor = compress.get("attention_factor", None if nested else 1.0)
+    if factor is None or isinstance(factor, bool) or factor != 1:
+        raise HfConfigError(f"{compress_key}.attention_factor: {'missing' if factor is None else repr(factor)}; "
+                            "b12x implements DeepSeek V4's YaRN, which does not rescale cos/sin (1.0)")
     yarn = {
         "factor": _float(_required_in(compress, "factor", compress_key), f"{compress_key}.factor"),
         "original_max_position_embeddings": _int(

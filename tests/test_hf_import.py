@@ -104,6 +104,20 @@ def test_legacy_spellings_map_like_the_modern_ones(config):
     assert model_fields(legacy)[0] == model_fields(config)[0]
 
 
+def test_flat_rope_parameters_are_the_compress_ropes(config):
+    # As transformers reads them: its rope_theta is overwritten by compress_rope_theta.
+    flat = {**config, "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "rope_theta": 10000.0,
+                                          "original_max_position_embeddings": 64}}
+    assert model_fields(flat)[0] == model_fields(config)[0]
+
+
+def test_nested_yarn_must_not_rescale(config):
+    nested = copy.deepcopy(config)
+    del nested["rope_parameters"]["compress"]["attention_factor"]  # transformers would apply YaRN's mscale
+    with pytest.raises(HfConfigError, match=r"^rope_parameters\.compress\.attention_factor: missing"):
+        model_fields(nested)
+
+
 def test_default_compress_rope_means_no_yarn(config):
     plain = {**config, "rope_parameters": {"main": config["rope_parameters"]["main"],
                                            "compress": {"rope_type": "default", "rope_theta": 160000.0}}}
