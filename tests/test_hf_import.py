@@ -20,6 +20,7 @@ from b12x.exporter.cli import main
 from b12x.exporter.dims import Dims
 from b12x.exporter.hf_checkpoint import load_hf_checkpoint
 from b12x.exporter.hf_config import HfConfigError, model_fields, read_config, recipe_from_hf_config
+from b12x.exporter.hf_config_writer import hf_config_dict
 from b12x.exporter.recipe import load_recipe, parse_recipe
 from b12x.exporter.v4_weights import v4_weight_specs
 from b12x.runtime.checkpoint import CheckpointError
@@ -82,6 +83,11 @@ def test_from_hf_gives_the_bundled_tiny_recipe(config, tiny):
     doc = recipe_from_hf_config(config, tiny, "dsv4-tiny")
     parsed = parse_recipe(yaml.safe_dump(doc, sort_keys=False))
     assert parsed.normalized() == tiny.normalized()
+
+
+def test_from_hf_inverts_hf_config_dict(tiny):
+    doc = recipe_from_hf_config(hf_config_dict(tiny), tiny, tiny.name)
+    assert parse_recipe(yaml.safe_dump(doc)).normalized() == tiny.normalized()
 
 
 def test_from_hf_sets_the_window_fusion_sites_from_the_layer_count(config, tiny):
