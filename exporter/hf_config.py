@@ -108,10 +108,10 @@ class _Fields:
         self.values[path], self.sources[path] = value, source
         return value
 
-    def int(self, path: str, key: str, minimum: int = 1) -> int:
+    def read_int(self, path: str, key: str, minimum: int = 1) -> int:
         return self.set(path, _int(_required(self.config, key), key, minimum), key)
 
-    def float(self, path: str, key: str) -> float:
+    def read_float(self, path: str, key: str) -> float:
         return self.set(path, _float(_required(self.config, key), key), key)
 
 
@@ -249,7 +249,7 @@ def _theta(f: _Fields, path: str, top: str, section: dict, where: str, nested: b
         if _given(config, top) and _float(config[top], top) != value:
             raise HfConfigError(f"{top}: {config[top]} disagrees with {where}.rope_theta = {section['rope_theta']}")
         return
-    value = f.float(path, top)
+    value = f.read_float(path, top)
     if "rope_theta" in section and _float(section["rope_theta"], f"{where}.rope_theta") != value:
         raise HfConfigError(f"{where}.rope_theta: {section['rope_theta']} disagrees with {top} = {config[top]}")
 
@@ -317,34 +317,34 @@ def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
     for path, key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                       ("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads"),
                       ("head_dim", "head_dim")):
-        f.int(path, key)
+        f.read_int(path, key)
     rope_dim = _rope_head_dim(f, f.values["head_dim"])
     for key in ("q_lora_rank", "o_groups", "o_lora_rank"):
-        f.int(key, key)
+        f.read_int(key, key)
     stages = _int(_required(config, "num_nextn_predict_layers"), "num_nextn_predict_layers", 0)
     if stages != 1:
         need = ("the recipe needs one MTP draft stage, and a checkpoint without MTP weights has none to export"
                 if stages == 0 else "b12x supports exactly one MTP draft stage")
         raise HfConfigError(f"num_nextn_predict_layers: {stages}; {need}")
     _compress_ratios(f, f.values["num_layers"], stages)
-    f.int("window", "sliding_window")
-    f.float("rms_norm_eps", "rms_norm_eps")
+    f.read_int("window", "sliding_window")
+    f.read_float("rms_norm_eps", "rms_norm_eps")
     _rope(f, f.values["head_dim"], rope_dim)
-    f.int("indexer.heads", "index_n_heads")
-    f.int("indexer.head_dim", "index_head_dim")
-    f.int("indexer.topk", "index_topk")
-    f.int("hyper_connections.mult", "hc_mult")
-    f.int("hyper_connections.sinkhorn_iters", "hc_sinkhorn_iters")
-    f.float("hyper_connections.eps", "hc_eps")
-    f.int("moe.experts", "n_routed_experts")
-    f.int("moe.experts_per_token", "num_experts_per_tok")
-    if f.int("moe.shared_experts", "n_shared_experts", 0) > 1:
+    f.read_int("indexer.heads", "index_n_heads")
+    f.read_int("indexer.head_dim", "index_head_dim")
+    f.read_int("indexer.topk", "index_topk")
+    f.read_int("hyper_connections.mult", "hc_mult")
+    f.read_int("hyper_connections.sinkhorn_iters", "hc_sinkhorn_iters")
+    f.read_float("hyper_connections.eps", "hc_eps")
+    f.read_int("moe.experts", "n_routed_experts")
+    f.read_int("moe.experts_per_token", "num_experts_per_tok")
+    if f.read_int("moe.shared_experts", "n_shared_experts", 0) > 1:
         raise HfConfigError(f"n_shared_experts: {config['n_shared_experts']}; b12x supports 0 or 1 shared expert")
-    f.int("moe.intermediate_size", "moe_intermediate_size")
+    f.read_int("moe.intermediate_size", "moe_intermediate_size")
     _hash_layers(f, f.values["num_layers"])
     f.set("moe.scoring", _choice(_required(config, "scoring_func"), "scoring_func", SCORING), "scoring_func")
-    f.float("moe.routed_scaling_factor", "routed_scaling_factor")
-    f.float("moe.swiglu_limit", "swiglu_limit")
+    f.read_float("moe.routed_scaling_factor", "routed_scaling_factor")
+    f.read_float("moe.swiglu_limit", "swiglu_limit")
     f.set("draft.stages", stages, "num_nextn_predict_layers")
     return f.values, f.sources
 
