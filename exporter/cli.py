@@ -7,6 +7,7 @@ import click
 from b12x.exporter.cmd_abi import abi
 from b12x.exporter.cmd_export import export
 from b12x.exporter.cmd_inspect import inspect
+from b12x.exporter.cmd_recipe import recipe
 from b12x.exporter.cmd_run import run
 from b12x.exporter.cmd_verify import verify
 
@@ -17,7 +18,7 @@ def main():
     """Export speculative-decoding passes as versioned packages and replay them."""
 
 
-for command in (export, inspect, run, abi, verify):
+for command in (export, inspect, run, abi, verify, recipe):
     main.add_command(command)
 
 

@@ -67,6 +67,18 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
     click.echo(f"{check_path}: re-export is byte-identical")  # one unwrapped line for CI logs
 
 
+def _checkpoint_weights(directory, recipe):
+    """(weights, source) from a Hugging Face checkpoint; a CheckpointError names the directory."""
+    from b12x.exporter.dims import Dims
+    from b12x.exporter.hf_checkpoint import checkpoint_source, load_hf_checkpoint
+    from b12x.runtime.checkpoint import CheckpointError
+
+    try:
+        return load_hf_checkpoint(directory, Dims.from_recipe(recipe)), checkpoint_source(directory)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {directory}: {exc}") from None
+
+
 @click.command()
 @click.option("--recipe", "recipe_source", help="Bundled recipe name (dsv41-tiny) or a YAML path.")
 @click.option("--out", "out_dir", default="out", show_default=True, type=click.Path(file_okay=False),
@@ -78,6 +90,9 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
 @click.option("--weights-index", type=click.Path(exists=True),
               help="With --weights none: a checkpoint directory or its model.safetensors.index.json. Every "
                    "weight must be in its weight_map; its sha256 map is recorded for load to check.")
+@click.option("--checkpoint", "checkpoint_dir", type=click.Path(),
+              help="Take the weights from a Hugging Face DeepSeek V4 checkpoint directory (config.json and "
+                   "safetensors shards); it must match the recipe exactly. deepseek_v4 recipes only.")
 @click.option("--check", "check_path", type=click.Path(exists=True),
               help="Re-export PKG (a package directory or its manifest.json) from what it records into a "
                    "temporary directory; fail, naming the differing files, unless byte-identical. "
@@ -86,7 +101,8 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
               help="Write every pass's graph as captured and after each rewrite to DIR/PASS/NN-STAGE.txt.")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
               help="Passes exported at once, each in a worker process; the bytes are the same for any N.")
-def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, check_path, dump_passes, jobs):
+def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, checkpoint_dir, check_path, dump_passes,
+           jobs):
     """Capture every pass of a recipe, rewrite it and write a package."""
     from b12x.exporter.export import ExportError, export_package
     from b12x.exporter.recipe import RecipeError, load_recipe
@@ -98,12 +114,15 @@ def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, check_p
         fail("--check re-exports with the settings PKG records; drop --no-fuse and --weights")
     if recipe_source is None and check_path is None:
         fail("--recipe is required (or --check PKG)")
+    if checkpoint_dir is not None and (weights_mode is not None or weights_index is not None or check_path is not None):
+        fail("--checkpoint supplies the weights; drop --weights, --weights-index and --check")
     try:
         recipe = load_recipe(recipe_source) if recipe_source is not None else None
         if check_path is not None:
             return _check(check_path, recipe, weights_index, dump_passes, jobs)
         structural = weights_mode == "none"
         checksums = _checksums(weights_index, recipe) if weights_index is not None else None
+        weights, source = _checkpoint_weights(checkpoint_dir, recipe) if checkpoint_dir is not None else (None, None)
     except (RecipeError, CheckpointError) as exc:
         fail(str(exc))
     table = Table(title=f"{recipe.name}: passes")
@@ -113,7 +132,8 @@ def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, check_p
     try:
         result = export_package(recipe, Path(out_dir), fuse=not no_fuse, on_pass=progress.on_pass,
                                 structural=structural, checksums=checksums, dump_dir=dump_passes,
-                                on_capture=progress.on_capture, jobs=jobs)
+                                on_capture=progress.on_capture, jobs=jobs, weights=weights,
+                                weights_source=source)
     except (ExportError, ValueError) as exc:
         fail(str(exc))
     console.print(table)

@@ -71,7 +71,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
                    on_pass: Callable[[str, list[PassRecord]], None] | None = None, *,
                    structural: bool = False, checksums: dict[str, str] | None = None,
                    dump_dir: Path | None = None, on_capture: Callable[[str], None] | None = None,
-                   jobs: int = 1) -> ExportResult:
+                   jobs: int = 1, weights_source: str | None = None) -> ExportResult:
     """Export `recipe` as OUT_DIR/NAME.b12x.
 
     structural: no weights in the package (they are bound from a checkpoint at load
@@ -79,12 +79,16 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
     index) are recorded for the runtime to check. dump_dir: the graph of every pass before
     and after each rewrite, numbered. jobs: passes exported at once, in worker processes
     (the bytes do not depend on it). on_capture(pass) runs when a pass starts,
-    on_pass(pass, records) when its rewrites are done.
+    on_pass(pass, records) when its rewrites are done. weights_source: where supplied
+    `weights` came from, recorded in the manifest (e.g. the checkpoint they were read from).
     """
     d = Dims.from_recipe(recipe)
     if structural and weights is not None:
         raise ExportError("a structural export takes no weights")
-    source = "supplied by the caller" if weights is not None else f"random init, seed {recipe.model.init_seed}"
+    if weights_source is not None and weights is None:
+        raise ExportError("weights_source describes supplied weights; none were given")
+    source = (weights_source or "supplied by the caller") if weights is not None else \
+        f"random init, seed {recipe.model.init_seed}"
     if weights is None and not structural:
         weights = init_weights(d, recipe.model.init_seed)
     pipeline = [r.name for r in recipe.rewrites] if fuse else []

@@ -60,14 +60,22 @@ def weight_map(root) -> dict[str, Path]:
         return {name: _shard(root, shard, name) for name, shard in mapping.items()}
     single = root / SINGLE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as handle:
+        try:
+            handle = safe_open(str(single), framework="pt")
+        except Exception as exc:  # safetensors raises its own error type for malformed headers
+            raise CheckpointError(f"{SINGLE}: not a valid safetensors file ({exc})") from None
+        with handle:
             return {name: single for name in handle.keys()}
     raise CheckpointError(f"{root}: holds neither {INDEX} nor {SINGLE}")
 
 
 def read_checkpoint(root, expected: dict[str, tuple[str, tuple[int, ...]]],
-                    checksums: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """Load the `expected` tensors (name → (dtype, shape)); extra checkpoint tensors are ignored."""
+                    checksums: dict[str, str] | None = None, *, whose: str = "package's") -> dict[str, torch.Tensor]:
+    """Load the `expected` tensors (name → (dtype, shape)); extra checkpoint tensors are ignored.
+
+    `whose` names the side that expects them in error messages: the runtime binds a
+    package's weights, the exporter imports a recipe's.
+    """
     mapping = weight_map(root)
     missing = sorted(set(expected) - set(mapping))
     if missing:
@@ -89,21 +97,22 @@ def read_checkpoint(root, expected: dict[str, tuple[str, tuple[int, ...]]],
             for name in names:
                 if name not in stored:
                     raise CheckpointError(f"{name}: the index maps it to {shard.name}, which does not hold it")
-                tensors[name] = _checked(name, handle, shard.name, *expected[name], (checksums or {}).get(name))
+                tensors[name] = _checked(name, handle, shard.name, *expected[name], (checksums or {}).get(name), whose)
     return tensors
 
 
-def _checked(name: str, handle, shard: str, dtype: str, shape: tuple, checksum: str | None) -> torch.Tensor:
+def _checked(name: str, handle, shard: str, dtype: str, shape: tuple, checksum: str | None,
+             whose: str) -> torch.Tensor:
     # Dtype and shape come from the shard header: a misshapen tensor is refused before it is read.
     piece = handle.get_slice(name)
     got_dtype, got_shape = DTYPE_CODES.get(piece.get_dtype(), piece.get_dtype()), tuple(piece.get_shape())
     if got_dtype != dtype:
-        raise CheckpointError(f"{name}: dtype {got_dtype} in {shard} does not match the package's {dtype}")
+        raise CheckpointError(f"{name}: dtype {got_dtype} in {shard} does not match the {whose} {dtype}")
     if got_shape != tuple(shape):
-        raise CheckpointError(f"{name}: shape {list(got_shape)} in {shard} does not match the package's {list(shape)}")
+        raise CheckpointError(f"{name}: shape {list(got_shape)} in {shard} does not match the {whose} {list(shape)}")
     tensor = handle.get_tensor(name)
     if checksum is not None:
         actual = tensor_sha256(tensor)
         if actual != checksum:
-            raise CheckpointError(f"{name}: sha256 {actual[:16]}… in {shard} does not match the package's {checksum[:16]}…")
+            raise CheckpointError(f"{name}: sha256 {actual[:16]}… in {shard} does not match the {whose} {checksum[:16]}…")
     return tensor
