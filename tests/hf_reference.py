@@ -108,3 +108,9 @@ def save_tiny_checkpoint(directory, seed: int = 0, *, original_format: bool = Tr
     index["metadata"]["total_size"] = index["metadata"].get("total_size", 0) + sum(t.nbytes for t in mtp.values())
     (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return TinyCheckpoint(directory, model, weights)
+
+
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """One full forward, no cache: [len(tokens), vocab]."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]

@@ -1,6 +1,7 @@
 """DeepSeek V4 through b12x matches `transformers`' DeepseekV4ForCausalLM.
 
-The reference runs one full forward over the whole sequence; b12x runs the exported
+The reference is a tiny random `transformers` model saved with save_pretrained; b12x
+imports that checkpoint. The reference runs one full forward over the whole sequence; b12x runs the exported
 passes through the runtime: chunked prefill, then verify steps of width 8 whose first
 1, 7 or 8 rows are committed, far past the attention window and across every
 compressor group boundary. fp32 cache formats must agree within 1e-4; the recipe's
@@ -14,12 +15,13 @@ import torch
 
 from b12x.exporter.export import export_package
 from b12x.exporter.recipe import load_recipe
-from b12x.exporter.weights import init_weights
 from b12x.runtime import load
 from b12x.runtime.speculative import Decoder
 from conftest import random_tokens, recipe_variant
 from test_speculative import assert_same_or_near_tie
-from v4_reference import dims, reference_logits, reference_model
+from b12x.exporter.dims import Dims
+from b12x.exporter.hf_checkpoint import load_hf_checkpoint
+from hf_reference import reference_logits, save_tiny_checkpoint
 
 TOLERANCE = 1e-4
 COMMIT_WIDTHS = (1, 7, 8)
@@ -32,13 +34,20 @@ def recipe():
 
 
 @pytest.fixture(scope="module")
-def weights(recipe):
-    return init_weights(dims(recipe), seed=3)
+def checkpoint(tmp_path_factory):
+    """Random weights saved by `transformers`' save_pretrained (plus the MTP stage's)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("v4ckpt"), seed=3)
 
 
 @pytest.fixture(scope="module")
-def reference(recipe, weights):
-    return reference_model(recipe, weights)
+def weights(recipe, checkpoint):
+    """The package's weights come through the checkpoint import, as a user's would."""
+    return load_hf_checkpoint(checkpoint.path, Dims.from_recipe(recipe))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return checkpoint.model
 
 
 @pytest.fixture(scope="module")
