@@ -1,7 +1,11 @@
 """How a pass reads and writes caches: through staging (verify, draft) or directly (prefill).
 
-Both return the same thing to the model: decoded key rows [R, S, D] and their absolute
-positions, so the layer compute is written once. Every cache access is a `b12x` op.
+Both give the layer compute the same things — decoded window rows [R, S, D], the
+previous rows of a compressor's state ring, this pass's compressed entries as a later
+read returns them — so the layers are written once. Every cache access is a `b12x` op.
+
+A state ring keeps the raw [kv | gate] rows of the last `span - 1` committed positions at
+row `pos % span`: exactly what the next pass's first closing group can still need.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from b12x.exporter.dims import Dims
 
 ops = torch.ops.b12x
+STATE_FORMAT = "fp32"
 
 
 class StagedIO:
@@ -31,20 +36,20 @@ class StagedIO:
         ops.cache_append(stage, kv, d.history, d.layout, d.page_size, d.window_format)
         return ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
 
-    def open_group(self, layer: int, ratio: int, rows: torch.Tensor) -> torch.Tensor:
-        state = self.caches[f"cache.layer{layer}.state"]
-        prev = ops.gather_rows(state, self.row_ids, _before(self.positions, ratio - 1), 2 * self.d.head_dim,
-                               self.d.state_format)
-        ops.stage_rows(self.staging[f"staging.verify.layer{layer}.state"], rows, self.d.state_format)
+    def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
+        prev = ops.gather_rows(self.caches[f"cache.{name}"], self.row_ids, _before(self.positions, span - 1),
+                               rows.shape[-1], STATE_FORMAT)
+        ops.stage_rows(self.staging[f"staging.{self.pass_name}.{name}"], rows, STATE_FORMAT)
         return prev
 
-    def compressed(self, layer: int, entries: torch.Tensor, ratio: int) -> torch.Tensor:
-        stage = self.staging[f"staging.verify.layer{layer}.compressed"]
-        ops.stage_rows(stage, entries, self.d.compressed_format)
-        return ops.read_rows(stage, self.d.head_dim, self.d.compressed_format)[:, : entries.shape[1]]
+    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str) -> torch.Tensor:
+        stage = self.staging[f"staging.{self.pass_name}.{name}"]
+        ops.stage_rows(stage, entries, fmt)
+        return ops.read_rows(stage, entries.shape[-1], fmt)[:, : entries.shape[1]]
 
-    def context(self, stage_index: int, rows: torch.Tensor) -> None:
-        ops.stage_rows(self.staging[f"staging.verify.draft{stage_index}.context"], rows, self.d.window_format)
+    def rows(self, stage: str, cache: str, rows: torch.Tensor, fmt: str, last_only: bool) -> None:
+        """Per-position rows (MTP context, streams); commit picks what it keeps."""
+        ops.stage_rows(self.staging[f"staging.{self.pass_name}.{stage}"], rows, fmt)
 
 
 class DirectIO:
@@ -66,30 +71,29 @@ class DirectIO:
         ops.write_rows(ring, kv, self.row_ids, self.pos % d.history, self.valid, d.window_format)
         return torch.cat([history, new], dim=1)
 
-    def open_group(self, layer: int, ratio: int, rows: torch.Tensor) -> torch.Tensor:
-        state = self.caches[f"cache.layer{layer}.state"]
-        prev = ops.gather_rows(state, self.row_ids, _before(self.positions, ratio - 1), 2 * self.d.head_dim,
-                               self.d.state_format)
-        keep = open_group_rows(self.pos, self.valid, self.end, ratio)
-        ops.write_rows(state, rows, self.row_ids, self.pos % ratio, keep, self.d.state_format)
+    def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
+        cache = self.caches[f"cache.{name}"]
+        prev = ops.gather_rows(cache, self.row_ids, _before(self.positions, span - 1), rows.shape[-1], STATE_FORMAT)
+        keep = self.valid & (self.pos > self.end[:, None] - span)
+        ops.write_rows(cache, rows, self.row_ids, self.pos % span, keep, STATE_FORMAT)
         return prev
 
-    def compressed(self, layer: int, entries: torch.Tensor, ratio: int) -> torch.Tensor:
+    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str) -> torch.Tensor:
         closes = ((self.pos + 1) % ratio == 0) & self.valid
-        ops.write_rows(self.caches[f"cache.layer{layer}.compressed"], entries, self.row_ids, self.pos // ratio,
-                       closes, self.d.compressed_format)
-        return ops.round_trip(entries, self.d.compressed_format)
+        ops.write_rows(self.caches[f"cache.{name}"], entries, self.row_ids, self.pos // ratio, closes, fmt)
+        return ops.round_trip(entries, fmt)
 
-    def context(self, stage_index: int, rows: torch.Tensor) -> None:
-        ops.write_rows(self.caches[f"cache.draft{stage_index}.window"], rows, self.row_ids, self.pos % self.d.history,
-                       self.valid, self.d.window_format)
+    def rows(self, stage: str, cache: str, rows: torch.Tensor, fmt: str, last_only: bool) -> None:
+        """A ring row per position, or (last_only) one row per slot: the last position's."""
+        buffer = self.caches[f"cache.{cache}"]
+        if last_only:
+            ops.write_rows(buffer, rows, self.row_ids, torch.zeros_like(self.pos),
+                           self.valid & (self.pos == self.end[:, None] - 1), fmt)
+        else:
+            ops.write_rows(buffer, rows, self.row_ids, self.pos % buffer.shape[1], self.valid, fmt)
 
 
 def _before(positions: torch.Tensor, count: int) -> torch.Tensor:
     """Absolute positions of the `count` rows just before each row's first position."""
     return positions.long()[:, None] + torch.arange(-count, 0, device=positions.device)
 
-
-def open_group_rows(pos: torch.Tensor, valid: torch.Tensor, end: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Rows still in an open compressor group once positions < end are committed."""
-    return valid & (pos >= (end // ratio * ratio)[:, None])

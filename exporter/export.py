@@ -10,7 +10,6 @@ from typing import Callable
 import torch
 
 import b12x
-from b12x.exporter.buffers import family_cache_specs
 from b12x.exporter.dims import Dims
 from b12x.exporter.package_writer import weights_bytes, write_package
 from b12x.exporter.pass_export import PassJob, PassOutput, run_jobs
@@ -132,8 +131,9 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
             "vocab_size": d.vocab,
             "max_seq_len": d.max_seq_len,
             "noise_token_id": d.noise_token_id,
+            "confidence_threshold": d.confidence_threshold,
             # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.
-            "capabilities": snapshot_capabilities(family_cache_specs(d), d.ratios, d.max_seq_len),
+            "capabilities": snapshot_capabilities(PASSES["prefill"](d).caches(), d.ratios, d.max_seq_len),
         },
         "passes": passes,
         "abi_fingerprint": fingerprint(conventions),

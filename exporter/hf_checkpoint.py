@@ -8,7 +8,7 @@ and safetensors are read, so nothing in the directory is ever executed.
 Tensors may be named as DeepSeek's release names them (what `save_pretrained` writes by
 default, one tensor per routed expert) or as `state_dict()` does; `hf_names` maps them.
 Import is all or nothing: config.json must describe the recipe's model, and the shards
-must hold exactly the weights `v4_weight_specs` names, once each, with the recipe's shape
+must hold exactly the weights `weight_specs` names, once each, with the recipe's shape
 and dtype. A problem is a `CheckpointError` naming the tensor or config key, what the recipe
 expects and what the checkpoint has.
 """
@@ -22,7 +22,7 @@ import torch
 from b12x.exporter.dims import Dims
 from b12x.exporter.hf_config import CONFIG, YARN_KEYS, HfConfigError, model_fields, read_config, tied_embeddings
 from b12x.exporter.hf_names import Target, target_of
-from b12x.exporter.v4_weights import v4_weight_specs
+from b12x.exporter.weights import weight_specs
 from b12x.runtime.checkpoint import CheckpointError, read_checkpoint, weight_map
 
 __all__ = ["checkpoint_source", "load_hf_checkpoint"]
@@ -32,7 +32,7 @@ EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 def _recipe_fields(d: Dims) -> dict:
     """The recipe's model fields as `model_fields` writes them (dotted paths), from Dims."""
-    v = d.v4
+    v, m = d, d.moe
     return {
         "family": d.family, "vocab_size": d.vocab, "hidden_size": d.hidden, "num_layers": d.layers,
         "num_heads": d.heads, "head_dim": d.head_dim, "rope_head_dim": d.rope_dim,
@@ -44,10 +44,10 @@ def _recipe_fields(d: Dims) -> dict:
         "indexer.heads": v.index_heads, "indexer.head_dim": v.index_head_dim, "indexer.topk": v.index_topk,
         "hyper_connections.mult": v.hc_mult, "hyper_connections.sinkhorn_iters": v.hc_iters,
         "hyper_connections.eps": v.hc_eps,
-        "moe.experts": v.experts, "moe.experts_per_token": v.experts_per_token,
-        "moe.shared_experts": v.shared_experts, "moe.intermediate_size": d.intermediate,
-        "moe.hash_layers": v.hash_layers, "moe.scoring": v.scoring,
-        "moe.routed_scaling_factor": v.routed_scaling, "moe.swiglu_limit": v.swiglu_limit,
+        "moe.experts": m.experts, "moe.experts_per_token": m.experts_per_token,
+        "moe.shared_experts": m.shared_experts, "moe.intermediate_size": m.intermediate,
+        "moe.hash_layers": m.hash_layers, "moe.scoring": m.scoring,
+        "moe.routed_scaling_factor": m.routed_scaling, "moe.swiglu_limit": m.swiglu_limit,
         "draft.stages": d.draft_stages,
     }
 
@@ -149,7 +149,7 @@ def _assemble(weight: str, held: dict, tensors: dict[str, torch.Tensor], experts
 
 
 def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
-    """Every weight `v4_weight_specs(d)` names, read from a Hugging Face checkpoint directory."""
+    """Every weight `weight_specs(d)` names, read from a Hugging Face checkpoint directory."""
     if d.v4 is None:
         raise CheckpointError(f"recipe family {d.family} has no Hugging Face checkpoint import; only deepseek_v4")
     root = Path(directory)
@@ -160,8 +160,8 @@ def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
     except HfConfigError as exc:  # names the file already
         raise CheckpointError(str(exc)) from None
     tied = _check_config(config, d)
-    specs = v4_weight_specs(d)
-    experts = d.v4.experts
+    specs = weight_specs(d)
+    experts = d.moe.experts
     plan, extra = _plan(weight_map(root), specs, experts)
     expected = _expected(plan, specs, experts, tied)
     if extra:

@@ -18,10 +18,12 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic import ValidationError, model_validator
-from pydantic_core import PydanticCustomError
 
+from b12x.exporter.recipe_model import V4ModelSpec, V41ModelSpec
+from b12x.exporter.recipe_types import (Buckets, KeyPath, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
+                                        format_key_path)
 from b12x.runtime.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
 from b12x.exporter.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 
@@ -34,7 +36,6 @@ KNOWN_REWRITES = ("fuse_window_snapshot",)
 PASS_NAMES = ("prefill", "verify", "draft", "commit")
 FAMILIES = ("deepseek_v41", "deepseek_v4")
 PassName = Literal["prefill", "verify", "draft", "commit"]
-KeyPath = tuple[str | int, ...]
 
 
 class RecipeError(ValueError):
@@ -49,237 +50,6 @@ class RecipeError(ValueError):
         return type(self), (self.file, self.line, self.key_path, self.message)
 
 
-def format_key_path(path: KeyPath) -> str:
-    """``("model", "compress_ratios", 3)`` -> ``model.compress_ratios[3]``."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _problem(detail: str, path: KeyPath = ()) -> PydanticCustomError:
-    """A validation error whose ``path`` (relative to where pydantic raises it) points
-    at the offending key, so a check spanning several fields still names one line."""
-    where = format_key_path(path)
-    template = "{where}: {detail}" if where else "{detail}"
-    return PydanticCustomError("recipe_check", template, {"where": where, "detail": detail, "path": path})
-
-
-# --- field types --------------------------------------------------------------------
-
-def _no_bool(value: Any) -> Any:
-    # True == 1 in Python, so Literal[1] and Literal[0, 1, 2] would accept booleans.
-    if isinstance(value, bool):
-        raise _problem(f"expected a number, got the boolean {value}")
-    return value
-
-
-def _check(predicate, expected: str):
-    def validate(value):
-        if not predicate(value):
-            raise _problem(f"{value!r} is not {expected}")
-        return value
-    return AfterValidator(validate)
-
-
-def _strictly_increasing(values: tuple[int, ...]) -> tuple[int, ...]:
-    for i in range(1, len(values)):
-        if values[i] <= values[i - 1]:
-            raise _problem(f"{values[i]} follows {values[i - 1]}; buckets must be strictly increasing", (i,))
-    return values
-
-
-def _unique(values: tuple[int, ...]) -> tuple[int, ...]:
-    for i, value in enumerate(values):
-        if value in values[:i]:
-            raise _problem(f"{value} is listed twice; entries must be unique", (i,))
-    return values
-
-
-PosInt = Annotated[int, Strict(), Field(gt=0)]
-NonNegInt = Annotated[int, Strict(), Field(ge=0)]
-PosFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
-Ratio = Annotated[Literal[0, 1, 2], BeforeValidator(_no_bool)]
-Buckets = Annotated[tuple[PosInt, ...], Field(min_length=1), AfterValidator(_strictly_increasing)]
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-# --- schema -------------------------------------------------------------------------
-
-class DraftSpec(_Spec):
-    stages: PosInt
-    target_layer_ids: Annotated[tuple[NonNegInt, ...], Field(min_length=1), AfterValidator(_unique)]
-    noise_token_id: NonNegInt
-
-
-class ModelSpec(_Spec):
-    family: Literal["deepseek_v41"]
-    vocab_size: PosInt
-    hidden_size: PosInt
-    num_layers: PosInt
-    num_heads: PosInt
-    # Cache rows are quantized in 32-element blocks (MXFP8 / NVFP4 scale groups).
-    head_dim: Annotated[PosInt, _check(lambda v: v % 32 == 0, "a multiple of 32")]
-    rope_head_dim: Annotated[PosInt, _check(lambda v: v % 2 == 0, "even (RoPE rotates pairs)")]
-    intermediate_size: PosInt
-    compress_ratios: tuple[Ratio, ...]
-    window: PosInt
-    max_seq_len: PosInt
-    rms_norm_eps: PosFloat
-    rope_theta: PosFloat
-    compress_rope_theta: PosFloat
-    draft: DraftSpec
-    init_seed: NonNegInt
-
-    @property
-    def target_ratios(self) -> tuple[int, ...]:
-        """Compression ratio of each target layer (the draft stages' entries dropped)."""
-        return self.compress_ratios[: self.num_layers]
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> ModelSpec:
-        if self.rope_head_dim > self.head_dim:
-            raise _problem(f"{self.rope_head_dim} is larger than head_dim {self.head_dim}", ("rope_head_dim",))
-        expected = self.num_layers + self.draft.stages
-        if len(self.compress_ratios) != expected:
-            raise _problem(f"has {len(self.compress_ratios)} entries; expected num_layers + draft.stages"
-                           f" = {expected}", ("compress_ratios",))
-        for i in range(self.num_layers, expected):
-            if self.compress_ratios[i] != 0:
-                raise _problem(f"draft stage entry is {self.compress_ratios[i]}; draft stages use the window"
-                               " only, so it must be 0", ("compress_ratios", i))
-        for i, layer in enumerate(self.draft.target_layer_ids):
-            if layer >= self.num_layers:
-                raise _problem(f"layer {layer} is out of range; expected 0 <= id < num_layers"
-                               f" = {self.num_layers}", ("draft", "target_layer_ids", i))
-        if self.draft.noise_token_id >= self.vocab_size:
-            raise _problem(f"{self.draft.noise_token_id} is out of range; expected < vocab_size"
-                           f" = {self.vocab_size}", ("draft", "noise_token_id"))
-        for ratio in sorted(set(self.compress_ratios) - {0}):
-            if self.max_seq_len % ratio:
-                raise _problem(f"{self.max_seq_len} is not a multiple of compress ratio {ratio}", ("max_seq_len",))
-        return self
-
-
-class YarnSpec(_Spec):
-    """YaRN scaling of the compress RoPE (DeepSeek V4: factor 16; cos/sin are not rescaled)."""
-
-    factor: PosFloat
-    original_max_position_embeddings: PosInt
-    beta_fast: PosFloat = 32.0
-    beta_slow: PosFloat = 1.0
-
-
-class IndexerSpec(_Spec):
-    """The lightning indexer of CSA layers: scores compressed entries, keeps the top `topk`."""
-
-    heads: PosInt
-    head_dim: Annotated[PosInt, _check(lambda v: v % 2 == 0, "even (RoPE rotates pairs)")]
-    topk: PosInt
-
-
-class HyperConnectionSpec(_Spec):
-    """Manifold-constrained hyper-connections: `mult` residual streams, Sinkhorn-projected mixing."""
-
-    mult: PosInt
-    sinkhorn_iters: PosInt
-    eps: PosFloat
-
-
-class MoeSpec(_Spec):
-    experts: PosInt
-    experts_per_token: PosInt
-    shared_experts: Annotated[int, Strict(), Field(ge=0, le=1)]
-    intermediate_size: PosInt
-    hash_layers: NonNegInt  # the first `hash_layers` layers route by a token-id table
-    scoring: Literal["sqrtsoftplus", "sigmoid", "softmax"]
-    routed_scaling_factor: PosFloat
-    swiglu_limit: PosFloat
-
-
-class MtpSpec(_Spec):
-    """Multi-token prediction draft stages: each a window-only V4 block fed with the target's
-    streams and the next token's embedding; drafts are chained one token at a time."""
-
-    stages: Annotated[int, Strict(), Literal[1]]
-
-
-CompressRatioV4 = Annotated[int, Strict(), Field(ge=0)]
-
-
-class V4ModelSpec(_Spec):
-    """DeepSeek V4 as Hugging Face `transformers` implements it (DeepseekV4ForCausalLM)."""
-
-    family: Literal["deepseek_v4"]
-    vocab_size: PosInt
-    hidden_size: PosInt
-    num_layers: PosInt
-    num_heads: PosInt
-    head_dim: Annotated[PosInt, _check(lambda v: v % 32 == 0, "a multiple of 32")]
-    rope_head_dim: Annotated[PosInt, _check(lambda v: v % 2 == 0, "even (RoPE rotates pairs)")]
-    q_lora_rank: PosInt
-    o_groups: PosInt
-    o_lora_rank: PosInt
-    # Per target layer, then per MTP stage: 0 window only, csa_ratio (CSA), hca_ratio (HCA).
-    compress_ratios: tuple[CompressRatioV4, ...]
-    csa_ratio: PosInt
-    hca_ratio: PosInt
-    window: PosInt
-    max_seq_len: PosInt
-    rms_norm_eps: PosFloat
-    rope_theta: PosFloat
-    compress_rope_theta: PosFloat
-    yarn: YarnSpec | None = None
-    indexer: IndexerSpec
-    hyper_connections: HyperConnectionSpec
-    moe: MoeSpec
-    draft: MtpSpec
-    init_seed: NonNegInt
-
-    @property
-    def target_ratios(self) -> tuple[int, ...]:
-        return self.compress_ratios[: self.num_layers]
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> V4ModelSpec:
-        if self.rope_head_dim > self.head_dim:
-            raise _problem(f"{self.rope_head_dim} is larger than head_dim {self.head_dim}", ("rope_head_dim",))
-        if self.rope_head_dim > self.indexer.head_dim:
-            raise _problem(f"{self.indexer.head_dim} is smaller than rope_head_dim {self.rope_head_dim}",
-                           ("indexer", "head_dim"))
-        if self.csa_ratio == self.hca_ratio:
-            raise _problem(f"{self.hca_ratio} equals csa_ratio; the two compressed layer kinds need distinct "
-                           "ratios", ("hca_ratio",))
-        if (self.num_heads * self.head_dim) % self.o_groups:
-            raise _problem(f"{self.o_groups} does not divide num_heads * head_dim = "
-                           f"{self.num_heads * self.head_dim}", ("o_groups",))
-        if self.moe.experts_per_token > self.moe.experts:
-            raise _problem(f"{self.moe.experts_per_token} is more than moe.experts = {self.moe.experts}",
-                           ("moe", "experts_per_token"))
-        if self.moe.hash_layers > self.num_layers:
-            raise _problem(f"{self.moe.hash_layers} is more than num_layers = {self.num_layers}",
-                           ("moe", "hash_layers"))
-        expected = self.num_layers + self.draft.stages
-        if len(self.compress_ratios) != expected:
-            raise _problem(f"has {len(self.compress_ratios)} entries; expected num_layers + draft.stages"
-                           f" = {expected}", ("compress_ratios",))
-        allowed = (0, self.csa_ratio, self.hca_ratio)
-        for i, ratio in enumerate(self.compress_ratios):
-            if i >= self.num_layers and ratio != 0:
-                raise _problem(f"MTP stage entry is {ratio}; MTP stages use the window only, so it must be 0",
-                               ("compress_ratios", i))
-            if ratio not in allowed:
-                raise _problem(f"{ratio} is not 0, csa_ratio {self.csa_ratio} or hca_ratio {self.hca_ratio}",
-                               ("compress_ratios", i))
-        for ratio in (self.csa_ratio, self.hca_ratio):
-            if self.max_seq_len % ratio:
-                raise _problem(f"{self.max_seq_len} is not a multiple of compress ratio {ratio}", ("max_seq_len",))
-        return self
-
-
 class StagingSpec(_Spec):
     layout: Literal["NHD", "HND"]
     page_size: Annotated[PosInt, _check(lambda v: v & (v - 1) == 0, "a power of two")]
@@ -290,7 +60,7 @@ class CacheSpec(_Spec):
     window_format: Literal["mxfp8", "bf16", "fp32"]
     compressed_format: Literal["nvfp4", "mxfp8", "bf16", "fp32"]
     state_format: Literal["fp32"]
-    index_format: Literal["mxfp8", "bf16", "fp32"] = "fp32"  # CSA index keys (deepseek_v4)
+    index_format: Literal["mxfp4", "mxfp8", "bf16", "fp32"] = "fp32"  # indexer keys
     staging: StagingSpec
 
 
@@ -348,7 +118,7 @@ class RewriteSpec(_Spec):
 class Recipe(_Spec):
     recipe_version: Annotated[Literal[1], BeforeValidator(_no_bool)]
     name: Annotated[str, Strict(), Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")]
-    model: Annotated[ModelSpec | V4ModelSpec, Field(discriminator="family")]
+    model: Annotated[V41ModelSpec | V4ModelSpec, Field(discriminator="family")]
     cache: CacheSpec
     passes: Passes
     rewrites: tuple[RewriteSpec, ...] = ()

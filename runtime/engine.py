@@ -25,6 +25,7 @@ import torch
 from b12x.runtime.requests import Request, RequestState, check_request
 from b12x.runtime.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
 from b12x.runtime.serving_stats import EngineStats, StepStats
+from b12x.runtime.speculative import confident_drafts, confident_lengths
 
 DECODE_PASSES = ("draft", "verify", "commit")
 
@@ -212,12 +213,13 @@ class Engine:
         if self.drafter is not None:
             return self._external_drafts(rows), None
         block = [[r.pending] + [self.noise] * (self.draft_width - 1) for r in rows]
-        logits = self._replay("draft", stats, tokens=block, row_ids=[r.slot for r in rows],
-                              positions=[r.length for r in rows])["logits"]
+        out = self._replay("draft", stats, tokens=block, row_ids=[r.slot for r in rows],
+                           positions=[r.length for r in rows])
         if self.temperature == 0:
-            return logits.argmax(-1).tolist(), None
-        q = probabilities(logits, self.temperature)
-        return [[draw(q[i, j], r.generator) for j in range(self.draft_width)] for i, r in enumerate(rows)], q
+            return confident_drafts(out, self.session.package.manifest), None
+        q = probabilities(out["logits"], self.temperature)
+        lengths = confident_lengths(out, self.session.package.manifest)
+        return [[draw(q[i, j], r.generator) for j in range(n)] for i, (r, n) in enumerate(zip(rows, lengths))], q
 
     def _external_drafts(self, rows: list[RequestState]) -> list[list[int]]:
         drafts = [list(d) for d in self.drafter(rows)]
@@ -235,8 +237,9 @@ class Engine:
         slots, positions = [r.slot for r in rows], [r.length for r in rows]
         check_rows(slots, self.slots)
         drafts, q = self._drafts(rows, stats)
-        logits = self._replay("verify", stats, tokens=[[r.pending] + d for r, d in zip(rows, drafts)],
-                              row_ids=slots, positions=positions)["logits"]
+        # A block ended early (low draft confidence) is padded; acceptance stops at its end.
+        tokens = [([r.pending] + d + [self.noise] * self.draft_width)[: self.draft_width + 1] for r, d in zip(rows, drafts)]
+        logits = self._replay("verify", stats, tokens=tokens, row_ids=slots, positions=positions)["logits"]
         results = []
         for i, (request, draft) in enumerate(zip(rows, drafts)):
             if not self.speculative:

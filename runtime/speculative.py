@@ -90,10 +90,11 @@ class Decoder:
         elif speculative:
             block = [[r.pending] + [self.noise] * (self.draft_width - 1) for r in rows]
             draft = self.session.replay("draft", tokens=block, row_ids=slots, positions=positions)
-            drafts = draft["logits"].argmax(-1).tolist()
+            drafts = confident_drafts(draft, self.session.package.manifest)
         else:
             drafts = [[self.noise] * (self.verify_width - 1) for _ in rows]
-        candidates = [[r.pending] + d for r, d in zip(rows, drafts)]
+        pad = self.verify_width - 1
+        candidates = [([r.pending] + d + [self.noise] * pad)[: pad + 1] for r, d in zip(rows, drafts)]
         verify = self.session.replay("verify", tokens=candidates, row_ids=slots, positions=positions)
         logits = verify["logits"]
         targets = logits.argmax(-1).tolist()
@@ -130,6 +131,24 @@ class Decoder:
                 self.step(active[i : i + self.session.max_rows], speculative)
         self.stats.seconds += time.perf_counter() - start
         return [r.tokens[:max_new_tokens] for r in rows]
+
+
+def confident_drafts(out: dict, manifest: dict) -> list[list[int]]:
+    """Greedy drafts per row from a draft pass's outputs, ended at the first row whose
+    confidence (DSpark's sigmoid head) is below the package's threshold."""
+    drafts = out["logits"].argmax(-1).tolist()
+    return [d[:n] for d, n in zip(drafts, confident_lengths(out, manifest))]
+
+
+def confident_lengths(out: dict, manifest: dict) -> list[int]:
+    rows, width = out["logits"].shape[:2]
+    threshold = manifest["model"].get("confidence_threshold", 0.0)
+    if "confidence" not in out or threshold <= 0:
+        return [width] * rows
+    low = (out["confidence"] < threshold).to(torch.int64)
+    # index of the first low row, or width when there is none
+    first = torch.where(low.any(dim=1), low.argmax(dim=1), torch.full((rows,), width))
+    return first.tolist()
 
 
 def _margin(logits: torch.Tensor) -> float:

@@ -3,7 +3,7 @@
 `save_tiny_checkpoint` writes what a real V4 checkpoint directory holds: config.json,
 safetensors shards with `model.safetensors.index.json`, and the MTP stage's tensors
 (`mtp.0.*`), which real checkpoints ship but `transformers` neither loads nor saves.
-The weights are `v4_init_weights` (every tensor non-trivial, unlike the `transformers`
+The weights are `init_weights` (every tensor non-trivial, unlike the `transformers`
 init with its zero sinks and routing tables), so a test comparing logits against the
 `transformers` model exercises all of them.
 """
@@ -21,7 +21,7 @@ import transformers
 
 from b12x.exporter.dims import Dims
 from b12x.exporter.recipe import load_recipe
-from b12x.exporter.v4_weights import v4_init_weights
+from b12x.exporter.weights import init_weights
 
 INDEX = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"
@@ -55,14 +55,14 @@ def tiny_v4_config(**changes) -> transformers.DeepseekV4Config:
 
 def tiny_weights(seed: int) -> dict[str, torch.Tensor]:
     """Every weight of dsv4-tiny, target and MTP, by state-dict name."""
-    return v4_init_weights(Dims.from_recipe(load_recipe("dsv4-tiny")), seed)
+    return init_weights(Dims.from_recipe(load_recipe("dsv4-tiny")), seed)
 
 
 @dataclass
 class TinyCheckpoint:
     path: Path
     model: transformers.DeepseekV4ForCausalLM  # holds `weights`' target tensors, in eval mode
-    weights: dict[str, torch.Tensor]  # every weight v4_weight_specs names, target and MTP
+    weights: dict[str, torch.Tensor]  # every weight weight_specs names, target and MTP
 
 
 def _mtp_tensors(weights: dict[str, torch.Tensor], original_format: bool) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from b12x.exporter.hf_checkpoint import load_hf_checkpoint
 from b12x.exporter.hf_config import HfConfigError, model_fields, read_config, recipe_from_hf_config
 from b12x.exporter.hf_config_writer import hf_config_dict
 from b12x.exporter.recipe import load_recipe, parse_recipe
-from b12x.exporter.v4_weights import v4_weight_specs
+from b12x.exporter.weights import weight_specs
 from b12x.runtime.checkpoint import CheckpointError
 
 
@@ -165,7 +165,7 @@ def test_a_missing_key_is_named(config, tiny):
 
 def test_import_gives_the_models_state_dict_and_the_mtp_stage(ckpt, dims):
     weights = load_hf_checkpoint(ckpt.path, dims)
-    assert list(weights) == list(v4_weight_specs(dims))
+    assert list(weights) == list(weight_specs(dims))
     expected = expected_weights(ckpt)
     for name, tensor in weights.items():
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name

@@ -1,4 +1,4 @@
-"""DeepSeek V4 compute blocks, on an explicit weights dict named as the checkpoint names them.
+"""DeepSeek V4 / V4.1 compute blocks, on an explicit weights dict named as the checkpoint names them.
 
 Each function mirrors one piece of the reference model: interleaved partial RoPE (with
 YaRN on compressed layers), latent MQA with a learned per-head sink and a grouped output
@@ -62,6 +62,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 # --- attention -----------------------------------------------------------------------
+
+def mask_unseen(keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Zero key rows no query may see: stale or poisoned bytes must not reach 0 * NaN."""
+    return torch.where(visible.any(dim=1)[..., None], keys, torch.zeros_like(keys))
+
 
 def attend_with_sink(q, keys, visible, sinks):
     """Latent MQA (K = V): q [R,T,H,D], keys [R,S,D], visible [R,T,S] -> [R,T,H,D].
