@@ -90,6 +90,20 @@ def grouped_out(w, a, out, groups):
     return F.linear(y.flatten(2), w[a + "o_b_proj.weight"])
 
 
+def top_k_mask(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the k largest finite scores along the last axis; ties go to the earlier entry.
+
+    Index scores tie exactly (a ReLU zero in every head), and which tied entry an unstable
+    top-k keeps would depend on the row width, so a chunked prefill and a single forward
+    could attend to different entries. Entries are laid out in position order, so a
+    stable sort makes the choice a property of the positions alone.
+    """
+    k = min(k, score.shape[-1])
+    order = torch.sort(score, dim=-1, descending=True, stable=True)
+    return torch.zeros_like(score, dtype=torch.bool).scatter(
+        -1, order.indices[..., :k], order.values[..., :k] > float("-inf"))
+
+
 # --- hyper-connections -----------------------------------------------------------------
 
 def hc_mix(w, prefix, streams, iters, hc_eps, eps):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from b12x.exporter.blocks import (attend_with_sink, grouped_out, hc_head, hc_merge, hc_mix, inv_freq, mask_unseen, moe,
-                                  pool, rms_norm, rope, rope_angles, unit_rms_norm)
+                                  pool, rms_norm, rope, rope_angles, top_k_mask, unit_rms_norm)
 from b12x.exporter.cache_io import _before
 
 ops = torch.ops.b12x
@@ -173,8 +173,7 @@ class DeepSeekCompute(torch.nn.Module):
             score = score.masked_fill(~shared.candidates[source], float("-inf"))
         if layer == d.candidate_source:
             shared.candidates[source] = self.candidate_blocks(score, pos, ratio)
-        top = score.topk(min(d.index_topk, score.shape[-1]), dim=-1)
-        return torch.zeros_like(visible).scatter(-1, top.indices, top.values > float("-inf"))
+        return top_k_mask(score, d.index_topk)
 
     def candidate_blocks(self, score, pos, ratio):
         """Entries in the top blocks of `candidate_block_size` entries by their best score,
@@ -187,9 +186,7 @@ class DeepSeekCompute(torch.nn.Module):
         blocks = -(-count // size)
         best = torch.full((R, T, blocks), float("-inf"), device=pos.device).scatter_reduce(
             -1, block, score, "amax")
-        top = best.topk(min(d.candidate_blocks, blocks), dim=-1)
-        keep = torch.zeros(R, T, blocks, dtype=torch.bool, device=pos.device).scatter(
-            -1, top.indices, top.values > float("-inf"))
+        keep = top_k_mask(best, d.candidate_blocks)
         newest = ((pos + 1) // ratio - 1).clamp(min=0) // size
         keep = keep.scatter(-1, newest[..., None], torch.ones_like(newest[..., None], dtype=torch.bool))
         return keep.gather(-1, block)

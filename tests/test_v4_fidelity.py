@@ -21,10 +21,10 @@ from conftest import random_tokens, recipe_variant
 from test_speculative import assert_same_or_near_tie
 from b12x.exporter.dims import Dims
 from b12x.exporter.hf_checkpoint import load_hf_checkpoint
+from decode_steps import incremental, prefill, relative_rms
 from hf_reference import reference_logits, save_tiny_checkpoint
 
 TOLERANCE = 1e-4
-COMMIT_WIDTHS = (1, 7, 8)
 FP32 = {"cache.window_format": "fp32", "cache.compressed_format": "fp32", "cache.index_format": "fp32"}
 
 
@@ -66,41 +66,6 @@ def sequences():
     gen = torch.Generator().manual_seed(21)
     # Two requests of different lengths share each replay (rows 2): 40 and 77 prompt tokens.
     return [random_tokens(gen, 260), random_tokens(gen, 260)], [40, 77]
-
-
-def prefill(session, slot, tokens):
-    chunk = session.package.passes["prefill"].width
-    rows = []
-    for start in range(0, len(tokens), chunk):
-        piece = tokens[start : start + chunk]
-        out = session.replay("prefill", tokens=[piece + [0] * (chunk - len(piece))], row_ids=[slot],
-                             positions=[start], lengths=[len(piece)])
-        rows.append(out["logits"][0, : len(piece)].clone())
-    return torch.cat(rows)
-
-
-def incremental(pkg, sequences, prompt_lengths):
-    """Logits of every position: prefill, then teacher-forced verify steps committing 1, 7 or 8."""
-    session = pkg.session(slots=2, max_rows=2)
-    width = pkg.passes["verify"].width
-    got = [{} for _ in sequences]
-    lengths = list(prompt_lengths)
-    for slot, (seq, n) in enumerate(zip(sequences, prompt_lengths)):
-        session.reset_slot(slot)
-        for j, row in enumerate(prefill(session, slot, seq[:n])):
-            got[slot][j] = row
-    step = 0
-    while max(lengths) + width <= len(sequences[0]):
-        tokens = [seq[p : p + width] for seq, p in zip(sequences, lengths)]
-        out = session.replay("verify", tokens=tokens, row_ids=[0, 1], positions=lengths)
-        for slot, p in enumerate(lengths):
-            for j in range(width):
-                got[slot].setdefault(p + j, out["logits"][slot, j].clone())
-        accept = [COMMIT_WIDTHS[(step + slot) % 3] for slot in range(2)]
-        session.replay("commit", row_ids=[0, 1], positions=lengths, accept_len=accept)
-        lengths = [p + a for p, a in zip(lengths, accept)]
-        step += 1
-    return [torch.stack([g[p] for p in sorted(g)]) for g in got]
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +136,10 @@ def test_quantised_formats_stay_within_bound(quantised_pkg, recipe, expected, se
     bound = layers ** 0.5 * eps
     for slot, (ours, ref) in enumerate(zip(incremental(quantised_pkg, *sequences), expected)):
         ref = ref[: ours.shape[0]]
-        relative_rms = ((ours - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
-        print(f"request {slot}: relative RMS logit error {relative_rms:.3g} (bound {bound:.3g})")
-        assert relative_rms <= bound
-        assert relative_rms > 1e-3  # the formats are really on the path: fp32 caches give ~1e-6
+        err = relative_rms(ours, ref)
+        print(f"request {slot}: relative RMS logit error {err:.3g} (bound {bound:.3g})")
+        assert err <= bound
+        assert err > 1e-3  # the formats are really on the path: fp32 caches give ~1e-6
 
 
 # --- speculative decoding ---------------------------------------------------------------

@@ -1,0 +1,51 @@
+"""Drive a package the way a server does, teacher-forced: every position's logits.
+
+Prefill in chunks, then verify steps of width 8 over the true next tokens whose first 1,
+7 or 8 rows are committed, two requests of different lengths sharing each replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COMMIT_WIDTHS = (1, 7, 8)
+
+
+def prefill(session, slot, tokens):
+    chunk = session.package.passes["prefill"].width
+    rows = []
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start : start + chunk]
+        out = session.replay("prefill", tokens=[piece + [0] * (chunk - len(piece))], row_ids=[slot],
+                             positions=[start], lengths=[len(piece)])
+        rows.append(out["logits"][0, : len(piece)].clone())
+    return torch.cat(rows)
+
+
+def incremental(pkg, sequences, prompt_lengths):
+    """Logits of every position of each sequence, [positions covered, vocab] per sequence."""
+    session = pkg.session(slots=len(sequences), max_rows=len(sequences))
+    width = pkg.passes["verify"].width
+    slots = list(range(len(sequences)))
+    got = [{} for _ in sequences]
+    lengths = list(prompt_lengths)
+    for slot, (seq, n) in enumerate(zip(sequences, prompt_lengths)):
+        session.reset_slot(slot)
+        for j, row in enumerate(prefill(session, slot, seq[:n])):
+            got[slot][j] = row
+    step = 0
+    while max(lengths) + width <= min(len(s) for s in sequences):
+        tokens = [seq[p : p + width] for seq, p in zip(sequences, lengths)]
+        out = session.replay("verify", tokens=tokens, row_ids=slots, positions=lengths)
+        for slot, p in enumerate(lengths):
+            for j in range(width):
+                got[slot].setdefault(p + j, out["logits"][slot, j].clone())
+        accept = [COMMIT_WIDTHS[(step + slot) % len(COMMIT_WIDTHS)] for slot in slots]
+        session.replay("commit", row_ids=slots, positions=lengths, accept_len=accept)
+        lengths = [p + a for p, a in zip(lengths, accept)]
+        step += 1
+    return [torch.stack([g[p] for p in sorted(g)]) for g in got]
+
+
+def relative_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
