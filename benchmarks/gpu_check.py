@@ -109,7 +109,7 @@ def kernel_bytes(device: str) -> None:
                 }
                 record(name, all(ok.values()), ", ".join(k for k, v in ok.items() if not v) or "staging and ring identical")
 
-    for fmt, dim in (("nvfp4", 64), ("nvfp4", 512), ("fp32", 128), ("mxfp8", 512)):
+    for fmt, dim in (("nvfp4", 64), ("nvfp4", 512), ("mxfp4", 128), ("fp32", 128), ("mxfp8", 512)):
         gen = torch.Generator().manual_seed(dim)
         values = kv_rows(gen, 3, 8, dim)
         nbytes = get_format(fmt).row_bytes(dim)

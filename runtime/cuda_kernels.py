@@ -20,7 +20,7 @@ scale where ours is OCP's 2^(floor(log2 amax) - 8), stores a page's data rows be
 its scale rows rather than per-token records, requires finite inputs and SM100; its NVFP4
 appends take fp16/bf16 input (ours encode fp32) with scales in a separate tensor; and
 `append_paged_kv_cache` is an unmasked raw copy for head dims 64-512, which matches no
-masked commit and no encoded row size here (66, 528, 36 or 288 bytes).
+masked commit and no encoded row size here (66, 528, 36, 288 or 68 bytes).
 """
 
 from __future__ import annotations

@@ -29,6 +29,20 @@ Byte layouts of one row (all multi-byte values little-endian):
     nibbles 0. Any NaN in a block -> scale 0x7F (E4M3 NaN) and nibbles 0; it
     decodes to NaN for the whole block. +-inf counts as float32 max.
 
+``mxfp4`` (OCP MX, block 32) -- ``dim/2 + dim/32`` bytes (128 dims -> 68)
+    ``dim/2`` bytes of packed FP4 E2M1 (element 2i in the low nibble, 2i+1 in the
+    high nibble, as nvfp4), then one UE8M0 scale byte per block of 32. Shared
+    exponent ``e = floor(log2(amax)) - 2`` (2 = emax of E2M1: 6 = 1.5 * 2^2),
+    clamped to [-127, 127]; scale byte ``e + 127``; element
+    ``E2M1(clamp(x * 2^-e, -6, 6))`` rounded to nearest with ties to the even code.
+    Decode: ``e2m1 * 2^(scale - 127)``.
+    Edge cases as mxfp8: amax == 0 -> scale 0x00 and all nibbles 0. Any NaN in a
+    block -> scale 0xFF and nibbles 0; a 0xFF scale decodes to NaN for the whole
+    block. +-inf counts as float32 max for the scale and saturates to +-6. Within
+    a block with a nonzero amax the sign bit 0x8 is the input's sign bit, as the
+    E4M3 cast gives mxfp8: -0.0 and negative values that round to zero encode as
+    0x8 (nvfp4 differs for -0.0, which it encodes as 0x0).
+
 ``bf16`` (block 1) -- ``2 * dim`` bytes: the bfloat16 bit pattern (RNE cast).
 
 ``fp32`` (block 1) -- ``4 * dim`` bytes: the float32 bit pattern, exact.
@@ -48,6 +62,7 @@ _F32_MAX = torch.finfo(torch.float32).max
 _E4M3_MAX = 448.0
 _E4M3_EMAX = 8
 _E2M1_MAX = 6.0
+_E2M1_EMAX = 2  # 6 = 1.5 * 2^2
 # E2M1 magnitudes by code 0..7; codes 8..15 are the same with the sign bit set.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring E2M1 codes. A tie goes to the even code, so at
@@ -78,30 +93,50 @@ def _block_amax(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mag.amax(dim=-1), nan
 
 
+def _e4m3_cast(v: torch.Tensor) -> torch.Tensor:
+    """The bare cast; only ever called on values already inside [-448, 448]."""
+    return v.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
 def _to_e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
     # The clamp is explicit: what an out-of-range value becomes in the cast
     # (NaN or saturated) has differed between torch versions.
-    v = v.clamp(-_E4M3_MAX, _E4M3_MAX)
-    return v.to(torch.float8_e4m3fn).view(torch.uint8)
+    return _e4m3_cast(v.clamp(-_E4M3_MAX, _E4M3_MAX))
 
 
 def _e4m3_bytes_to_f32(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
 
 
-def _encode_mxfp8(x: torch.Tensor, out: torch.Tensor) -> None:
-    dim = x.shape[-1]
-    xb = _blocks(x, 32)
+def _mx_scales(xb: torch.Tensor, elem_emax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """OCP MX block scales of ``xb[..., nblocks, 32]`` for elements whose emax is ``elem_emax``.
+
+    Returns (UE8M0 scale bytes, ``2^-e`` per block broadcastable against ``xb``, amax == 0
+    mask, any-NaN mask). The scale byte is 0x00 for a zero block and 0xFF for a NaN block.
+    """
     amax, nan = _block_amax(xb)
     # frexp is exact: amax = m * 2^k with m in [0.5, 1), so floor(log2 amax) = k - 1.
     _, k = torch.frexp(amax)
-    e = (k.to(torch.int64) - 1 - _E4M3_EMAX).clamp(-127, 127)
-    inv_scale = _pow2_table(x.device)[127 - e]  # 2^-e; 127 - e is in [8, 254]
-    # x * 2^-e is exact for every value that can land above zero in E4M3.
-    elems = _to_e4m3_bytes(xb * inv_scale.unsqueeze(-1))
+    e = (k.to(torch.int64) - 1 - elem_emax).clamp(-127, 127)
+    # 2^-e; 127 - e is in [elem_emax, 254] (e <= 127 - elem_emax as amax < 2^128): never NaN.
+    inv_scale = _pow2_table(xb.device)[127 - e].unsqueeze(-1)
     zero = amax == 0
     scale = torch.where(zero, 0, e + 127).to(torch.uint8)
     scale = torch.where(nan, 0xFF, scale).to(torch.uint8)
+    return scale, inv_scale, zero, nan
+
+
+def _mx_decode(elems: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``elems[..., nblocks, 32] * 2^(scale - 127)``; a 0xFF scale gives NaN for its block."""
+    return elems * _pow2_table(scale.device)[scale.long()].unsqueeze(-1)
+
+
+def _encode_mxfp8(x: torch.Tensor, out: torch.Tensor) -> None:
+    dim = x.shape[-1]
+    xb = _blocks(x, 32)
+    scale, inv_scale, zero, nan = _mx_scales(xb, _E4M3_EMAX)
+    # x * 2^-e is exact for every value that can land above zero in E4M3.
+    elems = _to_e4m3_bytes(xb * inv_scale)
     elems = torch.where(zero.unsqueeze(-1), 0, elems).to(torch.uint8)
     elems = torch.where(nan.unsqueeze(-1), 0x7F, elems).to(torch.uint8)
     out[..., :dim].copy_(elems.reshape(x.shape))
@@ -110,13 +145,13 @@ def _encode_mxfp8(x: torch.Tensor, out: torch.Tensor) -> None:
 
 def _decode_mxfp8(data: torch.Tensor, dim: int) -> torch.Tensor:
     elems = _blocks(_e4m3_bytes_to_f32(data[..., :dim]), 32)
-    scale = _pow2_table(data.device)[data[..., dim:].long()]  # 0xFF -> NaN
-    return (elems * scale.unsqueeze(-1)).reshape(*data.shape[:-1], dim)
+    return _mx_decode(elems, data[..., dim:]).reshape(*data.shape[:-1], dim)
 
 
 def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
-    """Unsigned E2M1 code (0..7) of |q|, nearest with ties to even, saturating."""
-    a = q.abs()
+    """Unsigned E2M1 code (0..7) of |q|, nearest with ties to even, saturating at 6."""
+    # The clamp only states the saturation: every |q| above 5 already lands on code 7.
+    a = q.abs().clamp(max=_E2M1_MAX)
     code = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
     # Loop over the 7 midpoints, not the elements: each step is one vector compare.
     for t in _E2M1_UP_IF_GT:
@@ -124,6 +159,27 @@ def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
     for t in _E2M1_UP_IF_GE:
         code += (a >= t).to(torch.uint8)
     return code
+
+
+def _pack_e2m1(q: torch.Tensor, negative: torch.Tensor, keep: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Packed nibble bytes ``[..., dim/2]`` of E2M1(q) with sign bit 0x8 where ``negative``.
+
+    ``q``, ``negative`` and ``keep`` are per element in blocks; nibbles where ``keep`` is
+    False are 0. ``shape`` is the row shape ``[..., dim]``.
+    """
+    nib = _e2m1_codes(q) | torch.where(negative, 0x8, 0).to(torch.uint8)
+    nib = torch.where(keep, nib, 0).to(torch.uint8).reshape(shape)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def _unpack_e2m1(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 E2M1 values ``[..., nblocks, block]`` of packed nibble bytes ``[..., dim/2]``."""
+    dim = 2 * packed.shape[-1]
+    nib = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], dim)
+    lut = torch.tensor(
+        _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=packed.device
+    )
+    return _blocks(lut[nib.long()], block)
 
 
 def _encode_nvfp4(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -135,23 +191,33 @@ def _encode_nvfp4(x: torch.Tensor, out: torch.Tensor) -> None:
     live = s > 0
     # Dividing by 1 where s == 0 avoids 0/0; those blocks are zeroed below.
     q = xb / torch.where(live, s, torch.ones_like(s))
-    nib = _e2m1_codes(q) | torch.where(xb < 0, 0x8, 0).to(torch.uint8)
-    nib = torch.where(live & ~nan.unsqueeze(-1), nib, 0).to(torch.uint8)
-    nib = nib.reshape(x.shape)
-    packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    packed = _pack_e2m1(q, xb < 0, live & ~nan.unsqueeze(-1), x.shape)
     scale = torch.where(nan, 0x7F, scale).to(torch.uint8)
     out[..., : dim // 2].copy_(packed)
     out[..., dim // 2 :].copy_(scale)
 
 
 def _decode_nvfp4(data: torch.Tensor, dim: int) -> torch.Tensor:
-    packed = data[..., : dim // 2]
-    nib = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*data.shape[:-1], dim)
-    lut = torch.tensor(
-        _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=data.device
-    )
     s = _e4m3_bytes_to_f32(data[..., dim // 2 :])  # 0x7F -> NaN for the whole block
-    return (_blocks(lut[nib.long()], 16) * s.unsqueeze(-1)).reshape(*data.shape[:-1], dim)
+    elems = _unpack_e2m1(data[..., : dim // 2], 16)
+    return (elems * s.unsqueeze(-1)).reshape(*data.shape[:-1], dim)
+
+
+def _encode_mxfp4(x: torch.Tensor, out: torch.Tensor) -> None:
+    dim = x.shape[-1]
+    xb = _blocks(x, 32)
+    scale, inv_scale, zero, nan = _mx_scales(xb, _E2M1_EMAX)
+    # x * 2^-e is exact wherever it matters: |x * 2^-e| < 8, and a product that loses
+    # bits to float32 underflow is below 2^-126, far under the first midpoint 0.25.
+    live = ~(zero | nan).unsqueeze(-1)
+    packed = _pack_e2m1(xb * inv_scale, torch.signbit(xb), live, x.shape)
+    out[..., : dim // 2].copy_(packed)
+    out[..., dim // 2 :].copy_(scale)
+
+
+def _decode_mxfp4(data: torch.Tensor, dim: int) -> torch.Tensor:
+    elems = _unpack_e2m1(data[..., : dim // 2], 32)
+    return _mx_decode(elems, data[..., dim // 2 :]).reshape(*data.shape[:-1], dim)
 
 
 def _bit_encoder(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -217,6 +283,7 @@ class Format:
 FORMATS: dict[str, Format] = {
     "mxfp8": Format("mxfp8", 32, 33, _encode_mxfp8, _decode_mxfp8),
     "nvfp4": Format("nvfp4", 16, 9, _encode_nvfp4, _decode_nvfp4),
+    "mxfp4": Format("mxfp4", 32, 17, _encode_mxfp4, _decode_mxfp4),
     "bf16": Format("bf16", 1, 2, _bit_encoder(torch.bfloat16), _bit_decoder(torch.bfloat16)),
     "fp32": Format("fp32", 1, 4, _bit_encoder(torch.float32), _bit_decoder(torch.float32)),
 }

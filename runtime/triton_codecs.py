@@ -6,7 +6,8 @@ and the torch reference agree by construction. In particular
 
 * E4M3 is round-to-nearest-even on the float32 bits with explicit saturation to ±448
   (the reference clamps before its cast; a GPU `cvt.satfinite` would agree, an
-  interpreter cast through numpy need not);
+  interpreter cast through numpy need not); MXFP4's E2M1 elements are rounded on the
+  bits the same way (one helper, `_minifloat_code`, serves both), saturating to ±6;
 * NaN never goes through a cast: the reference writes canonical 0x7F for a NaN block,
   while a CPU cast keeps the NaN's sign (0xFF) and CUDA does not, so NaN blocks are
   detected on the bits and written explicitly;
@@ -52,11 +53,15 @@ def _msb(m):
 
 
 @triton.jit
-def e4m3_code(bits, e):
-    """E4M3 code (0..255, sign in bit 7) of the float32 with these bits times 2^-e.
+def _minifloat_code(bits, e, MAN: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+                    MAX_SIG: tl.constexpr, MAX_CODE: tl.constexpr, SIGN: tl.constexpr):
+    """Code of the float32 with these bits times 2^-e in a small float format.
 
-    Round to nearest even, saturating to ±448; inf saturates too. NaN is the caller's
-    business (its code here is meaningless). `e` broadcasts against `bits`.
+    The format has MAN mantissa bits, smallest normal exponent EMIN (subnormal grid
+    2^(EMIN - MAN) below it) and largest finite value MAX_SIG * 2^(EMAX - 23), whose code
+    is MAX_CODE; the sign goes to bit SIGN. Round to nearest even, saturating to the
+    largest finite value; inf saturates too. NaN is the caller's business (its code here
+    is meaningless). `e` broadcasts against `bits`.
     """
     sign = (bits >> 31) & 1
     ex = (bits >> 23) & 0xFF
@@ -67,17 +72,41 @@ def e4m3_code(bits, e):
     sig = tl.where(sub, man << norm, man | 0x800000)
     lsb = tl.where(sub, -149 - norm, ex - 150) - e
     top = lsb + 23  # floor(log2 |x * 2^-e|)
-    sat = (ex == 255) | (top > 8) | ((top == 8) & (sig > 0xE00000))
-    # Keep 4 significant bits (3 for the mantissa) down to 2^-6; below, the grid is 2^-9.
-    drop = tl.minimum(tl.where(top >= -6, 20, 14 - top), 25)
+    sat = (ex == 255) | (top > EMAX) | ((top == EMAX) & (sig > MAX_SIG))
+    # Keep MAN + 1 significant bits down to 2^EMIN; below, the grid is 2^(EMIN - MAN).
+    # A drop of 25 leaves nothing but a zero guard bit: everything that small rounds to 0.
+    drop = tl.minimum(tl.where(top >= EMIN, 23 - MAN, 23 - MAN + EMIN - top), 25)
     kept = sig >> (drop - 1)  # one guard bit
     sticky = (kept << (drop - 1)) != sig
     r = kept >> 1
     r += (kept & 1) & (sticky.to(tl.int32) | (r & 1))
-    # r == 16 carries into the exponent by itself: ((top + 7) << 3) + 16 - 8.
-    code = tl.where(top >= -6, ((top + 7) << 3) + r - 8, r)
-    code = tl.where(sat, 0x7E, code)
-    return code | (sign << 7)
+    # r == 2^(MAN + 1) carries into the exponent by itself: the biased exponent is
+    # top + 1 - EMIN, and r counts the implicit bit once too often.
+    code = tl.where(top >= EMIN, ((top + 1 - EMIN) << MAN) + r - (1 << MAN), r)
+    code = tl.where(sat, MAX_CODE, code)
+    return code | (sign << SIGN)
+
+
+@triton.jit
+def e4m3_code(bits, e):
+    """E4M3 code (0..255, sign in bit 7) of the float32 with these bits times 2^-e.
+
+    Round to nearest even, saturating to ±448 (1.75 * 2^8, code 0x7E); inf saturates too.
+    NaN is the caller's business (its code here is meaningless). `e` broadcasts against
+    `bits`.
+    """
+    return _minifloat_code(bits, e, 3, -6, 8, 0xE00000, 0x7E, 7)
+
+
+@triton.jit
+def e2m1_code(bits, e):
+    """E2M1 nibble (0..15, sign in bit 3) of the float32 with these bits times 2^-e.
+
+    Round to nearest with ties to the even code, saturating to ±6 (1.5 * 2^2, code 7);
+    inf saturates too. The sign is the input's sign bit (-0.0 gives 0x8). NaN is the
+    caller's business.
+    """
+    return _minifloat_code(bits, e, 1, 0, 2, 0xC00000, 7, 3)
 
 
 @triton.jit
@@ -114,34 +143,50 @@ def _per_block(v, TOK: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def mxfp8_encode(bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
-    """(element codes [TOK, DIM_P2], scale bytes [TOK, DIM_P2 // 32]) of float32 bits."""
+def _mx_scales(bits, EMAX: tl.constexpr, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """OCP MX block scales of float32 bits [TOK, DIM_P2] for elements whose emax is EMAX.
+
+    Returns (UE8M0 scale bytes [TOK, DIM_P2 // 32], and per element: the block's e, 1 where
+    the block is all zeros, 1 where it holds a NaN). Scale bytes are 0x00 for a zero block
+    and 0xFF for a NaN one.
+    """
     NB: tl.constexpr = DIM_P2 // 32
     mag, nan = _magnitude(bits)
     amax = tl.max(tl.reshape(mag, (TOK, NB, 32)), axis=2)
     nan_b = tl.max(tl.reshape(nan.to(tl.int32), (TOK, NB, 32)), axis=2) > 0
-    # floor(log2 amax) - 8 from the biased exponent; subnormal amax clamps to -127 as well.
-    e = tl.maximum((amax >> 23) - 135, -127)
+    # floor(log2 amax) - EMAX from the biased exponent; a subnormal amax clamps to -127 as well.
+    e = tl.maximum((amax >> 23) - 127 - EMAX, -127)
     scale = tl.where(nan_b, 0xFF, tl.where(amax == 0, 0, e + 127))
-    codes = e4m3_code(bits, _per_block(e, TOK, NB, 32))
-    codes = tl.where(_per_block((amax == 0).to(tl.int32), TOK, NB, 32) == 1, 0, codes)
-    codes = tl.where(_per_block(nan_b.to(tl.int32), TOK, NB, 32) == 1, 0x7F, codes)
+    zero = _per_block((amax == 0).to(tl.int32), TOK, NB, 32)
+    return scale, _per_block(e, TOK, NB, 32), zero, _per_block(nan_b.to(tl.int32), TOK, NB, 32)
+
+
+@triton.jit
+def _ue8m0_value(scales):
+    """2^(s - 127) as float32 (s = 0 is the float32 subnormal 2^-127); 0xFF -> NaN."""
+    pow2 = tl.where(scales == 0, 0x00400000, scales << 23).to(tl.float32, bitcast=True)
+    return tl.where(scales == 0xFF, float("nan"), pow2)
+
+
+@triton.jit
+def mxfp8_encode(bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """(element codes [TOK, DIM_P2], scale bytes [TOK, DIM_P2 // 32]) of float32 bits."""
+    scale, e, zero, nan = _mx_scales(bits, 8, TOK, DIM_P2)  # 8 = emax of E4M3
+    codes = e4m3_code(bits, e)
+    codes = tl.where(zero == 1, 0, codes)
+    codes = tl.where(nan == 1, 0x7F, codes)
     return codes, scale
 
 
 @triton.jit
 def mxfp8_decode(codes, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
     """float32 [TOK, DIM_P2] from element codes and UE8M0 scale bytes (0xFF -> NaN)."""
-    NB: tl.constexpr = DIM_P2 // 32
-    # 2^(s - 127): s = 0 is the float32 subnormal 2^-127.
-    pow2 = tl.where(scales == 0, 0x00400000, scales << 23).to(tl.float32, bitcast=True)
-    pow2 = tl.where(scales == 0xFF, float("nan"), pow2)
-    return e4m3_value(codes) * _per_block(pow2, TOK, NB, 32)
+    return e4m3_value(codes) * _per_block(_ue8m0_value(scales), TOK, DIM_P2 // 32, 32)
 
 
 @triton.jit
-def _e2m1_code(a):
-    """Unsigned E2M1 code of |q| (nearest, ties to even, saturating at 6)."""
+def _e2m1_round(a):
+    """Unsigned E2M1 code of a float |q| (nearest, ties to even, saturating at 6)."""
     code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
     code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
     return code + (a > 5.0).to(tl.int32)
@@ -160,11 +205,23 @@ def nvfp4_encode(x, bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
     s = tl.where(live, e4m3_value(scale), 1.0)  # 1 where dead: no 0/0, zeroed below
     q = tl.math.div_rn(x, _per_block(s, TOK, NB, 16))
     negative = (bits < 0) & ((bits & 0x7FFFFFFF) != 0)  # x < 0 on the bits: -0.0 is not
-    nib = _e2m1_code(tl.abs(q)) | (negative.to(tl.int32) << 3)
+    nib = _e2m1_round(tl.abs(q)) | (negative.to(tl.int32) << 3)
     keep = _per_block((live & (nan_b == 0)).to(tl.int32), TOK, NB, 16) == 1
     nib = tl.where(keep, nib, 0)
+    return _pack_nibbles(nib, TOK, DIM_P2), tl.where(nan_b, 0x7F, scale)
+
+
+@triton.jit
+def _pack_nibbles(nib, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """Bytes [TOK, DIM_P2 // 2]: element 2i in the low nibble, 2i+1 in the high nibble."""
     low, high = tl.split(tl.reshape(nib, (TOK, DIM_P2 // 2, 2)))
-    return low | (high << 4), tl.where(nan_b, 0x7F, scale)
+    return low | (high << 4)
+
+
+@triton.jit
+def _unpack_nibbles(packed, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """Nibbles [TOK, DIM_P2] of packed bytes [TOK, DIM_P2 // 2] (int32)."""
+    return tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), (TOK, DIM_P2))
 
 
 @triton.jit
@@ -178,9 +235,27 @@ def _e2m1_value(nib):
 @triton.jit
 def nvfp4_decode(packed, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
     """float32 [TOK, DIM_P2] from packed nibbles and E4M3 block scales (0x7F -> NaN)."""
-    NB: tl.constexpr = DIM_P2 // 16
-    nib = tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), (TOK, DIM_P2))
-    return _e2m1_value(nib) * _per_block(e4m3_value(scales), TOK, NB, 16)
+    nib = _unpack_nibbles(packed, TOK, DIM_P2)
+    return _e2m1_value(nib) * _per_block(e4m3_value(scales), TOK, DIM_P2 // 16, 16)
+
+
+@triton.jit
+def mxfp4_encode(bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """(packed nibble bytes [TOK, DIM_P2 // 2], UE8M0 scale bytes [TOK, DIM_P2 // 32]).
+
+    Elements are rounded on the bits (`e2m1_code`), never through a float multiply, so a
+    flush-to-zero mode cannot change a code.
+    """
+    scale, e, zero, nan = _mx_scales(bits, 2, TOK, DIM_P2)  # 2 = emax of E2M1
+    nib = tl.where((zero | nan) == 1, 0, e2m1_code(bits, e))
+    return _pack_nibbles(nib, TOK, DIM_P2), scale
+
+
+@triton.jit
+def mxfp4_decode(packed, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """float32 [TOK, DIM_P2] from packed nibbles and UE8M0 block scales (0xFF -> NaN)."""
+    nib = _unpack_nibbles(packed, TOK, DIM_P2)
+    return _e2m1_value(nib) * _per_block(_ue8m0_value(scales), TOK, DIM_P2 // 32, 32)
 
 
 @triton.jit
@@ -194,16 +269,35 @@ def bf16_encode(bits):
 
 # ---------------------------------------------------------------- row tiles in memory
 
-MXFP8, NVFP4, BF16, FP32, RAW = 0, 1, 2, 3, 4
+MXFP8, NVFP4, BF16, FP32, RAW, MXFP4 = 0, 1, 2, 3, 4, 5
 """Format codes of the row kernels; BF16 / FP32 / RAW rows go through typed views."""
+
+
+@triton.jit
+def _store_packed(dst, packed, scales, ok, BLOCK: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr):
+    """Write a packed-nibble row (NVFP4, MXFP4): DIM // 2 nibble bytes, then one scale byte per block."""
+    h = tl.arange(0, DIM_P2 // 2)[None, :]
+    nb = tl.arange(0, DIM_P2 // BLOCK)[None, :]
+    tl.store(dst + h, packed.to(tl.uint8), mask=ok & (h < DIM // 2))
+    tl.store(dst + DIM // 2 + nb, scales.to(tl.uint8), mask=ok & (nb < DIM // BLOCK))
+
+
+@triton.jit
+def _load_packed(src, ok, BLOCK: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr):
+    """(nibble bytes, scale bytes) of a packed-nibble row, as int32; 0 where not ok."""
+    h = tl.arange(0, DIM_P2 // 2)[None, :]
+    nb = tl.arange(0, DIM_P2 // BLOCK)[None, :]
+    packed = tl.load(src + h, mask=ok & (h < DIM // 2), other=0).to(tl.int32)
+    scales = tl.load(src + DIM // 2 + nb, mask=ok & (nb < DIM // BLOCK), other=0).to(tl.int32)
+    return packed, scales
 
 
 @triton.jit
 def store_rows(dst, x, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
     """Encode float32 x [TOK, DIM_P2] into rows starting at pointers dst [TOK, 1] where ok [TOK, 1].
 
-    MXFP8 / NVFP4 write bytes (dst is uint8); BF16 / FP32 write 16- / 32-bit units (dst is
-    an int16 / int32 view of the cache bytes).
+    MXFP8 / NVFP4 / MXFP4 write bytes (dst is uint8); BF16 / FP32 write 16- / 32-bit units
+    (dst is an int16 / int32 view of the cache bytes).
     """
     d = tl.arange(0, DIM_P2)[None, :]
     bits = x.to(tl.int32, bitcast=True)
@@ -214,10 +308,10 @@ def store_rows(dst, x, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.cons
         tl.store(dst + DIM + nb, scales.to(tl.uint8), mask=ok & (nb < DIM // 32))
     elif FMT == 1:
         packed, scales = nvfp4_encode(x, bits, TOK, DIM_P2)
-        h = tl.arange(0, DIM_P2 // 2)[None, :]
-        nb = tl.arange(0, DIM_P2 // 16)[None, :]
-        tl.store(dst + h, packed.to(tl.uint8), mask=ok & (h < DIM // 2))
-        tl.store(dst + DIM // 2 + nb, scales.to(tl.uint8), mask=ok & (nb < DIM // 16))
+        _store_packed(dst, packed, scales, ok, 16, DIM, DIM_P2)
+    elif FMT == 5:
+        packed, scales = mxfp4_encode(bits, TOK, DIM_P2)
+        _store_packed(dst, packed, scales, ok, 32, DIM, DIM_P2)
     elif FMT == 2:
         tl.store(dst + d, bf16_encode(bits).to(tl.int16), mask=ok & (d < DIM))
     else:
@@ -234,11 +328,11 @@ def load_rows(src, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexp
         scales = tl.load(src + DIM + nb, mask=ok & (nb < DIM // 32), other=0).to(tl.int32)
         out = mxfp8_decode(codes, scales, TOK, DIM_P2)
     elif FMT == 1:
-        h = tl.arange(0, DIM_P2 // 2)[None, :]
-        nb = tl.arange(0, DIM_P2 // 16)[None, :]
-        packed = tl.load(src + h, mask=ok & (h < DIM // 2), other=0).to(tl.int32)
-        scales = tl.load(src + DIM // 2 + nb, mask=ok & (nb < DIM // 16), other=0).to(tl.int32)
+        packed, scales = _load_packed(src, ok, 16, DIM, DIM_P2)
         out = nvfp4_decode(packed, scales, TOK, DIM_P2)
+    elif FMT == 5:
+        packed, scales = _load_packed(src, ok, 32, DIM, DIM_P2)
+        out = mxfp4_decode(packed, scales, TOK, DIM_P2)
     elif FMT == 2:
         units = tl.load(src + d, mask=ok & (d < DIM), other=0).to(tl.int32) & 0xFFFF
         out = (units << 16).to(tl.float32, bitcast=True)
@@ -257,6 +351,9 @@ def round_trip_rows(x, FMT: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexp
     elif FMT == 1:
         packed, scales = nvfp4_encode(x, bits, TOK, DIM_P2)
         out = nvfp4_decode(packed, scales, TOK, DIM_P2)
+    elif FMT == 5:
+        packed, scales = mxfp4_encode(bits, TOK, DIM_P2)
+        out = mxfp4_decode(packed, scales, TOK, DIM_P2)
     elif FMT == 2:
         out = (bf16_encode(bits) << 16).to(tl.float32, bitcast=True)
     else:

@@ -15,11 +15,21 @@ import triton
 import triton.language as tl
 
 from b12x.runtime.formats import get_format
-from b12x.runtime.triton_codecs import BF16, FP32, MXFP8, NVFP4, RAW, load_rows, round_trip_rows, store_rows
+from b12x.runtime.triton_codecs import BF16, FP32, MXFP4, MXFP8, NVFP4, RAW, load_rows, round_trip_rows, store_rows
 
-CODES = {"mxfp8": MXFP8, "nvfp4": NVFP4, "bf16": BF16, "fp32": FP32}
+CODES = {"mxfp8": MXFP8, "nvfp4": NVFP4, "mxfp4": MXFP4, "bf16": BF16, "fp32": FP32}
+"""Triton codec of every format in `formats.FORMATS` (a test keeps the two in step)."""
 _UNIT = {BF16: torch.int16, FP32: torch.int32}  # typed views for the bit formats
 TILE_ELEMENTS = 2048  # elements per program: a few tokens of a 512-dim row
+
+
+def format_code(fmt: str) -> int:
+    """The kernels' code of a format name; an unknown name raises the reference's ValueError."""
+    get_format(fmt)
+    try:
+        return CODES[fmt]
+    except KeyError:
+        raise NotImplementedError(f"{fmt}: no Triton codec for this cache format") from None
 
 
 def tokens_per_tile(tokens: int, dim_p2: int) -> int:
@@ -82,7 +92,7 @@ def _put(dst: torch.Tensor, values: torch.Tensor, fmt: str, row_ids=None, index=
         dst, src = word_view(dst, values)
         dim = src.shape[-1]
     else:
-        code = CODES[fmt]
+        code = format_code(fmt)
         get_format(fmt).row_bytes(values.shape[-1])  # rejects a dim the format cannot hold
         dst, src = as_units(dst, code), values.to(torch.float32)
         dim = src.shape[-1]
@@ -132,7 +142,7 @@ def _get_rows(src, out, row_ids, index, T, N,
 
 
 def _get(src: torch.Tensor, tokens: int, dim: int, fmt: str, row_ids=None, index=None) -> torch.Tensor:
-    code = CODES[fmt]
+    code = format_code(fmt)
     get_format(fmt).row_bytes(dim)
     rows = src.shape[0] if row_ids is None else row_ids.shape[0]
     out = torch.empty((rows, tokens, dim), dtype=torch.float32, device=src.device)
@@ -179,7 +189,7 @@ def _round_trip(x_ptr, out, N, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.
 
 
 def round_trip(values: torch.Tensor, fmt: str) -> torch.Tensor:
-    code = CODES[fmt]
+    code = format_code(fmt)
     dim = values.shape[-1]
     get_format(fmt).row_bytes(dim)
     x = values.to(torch.float32).contiguous()

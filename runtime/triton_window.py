@@ -8,7 +8,7 @@ staging with the same code. Snapshot tiles copy ring rows as words (the widest i
 unit the row size and alignment allow); append tiles encode fp32 rows with the bit-exact
 codecs of `triton_codecs`.
 
-The fused kernel encodes MXFP8 and NVFP4 rows; for the bit formats (bf16, fp32) the
+The fused kernel encodes MXFP8, NVFP4 and MXFP4 rows; for the bit formats (bf16, fp32) the
 fused op runs the snapshot kernel and the row kernel back to back, with the same bytes.
 """
 
@@ -19,12 +19,12 @@ import triton
 import triton.language as tl
 
 from b12x.runtime.formats import get_format
-from b12x.runtime.triton_codecs import MXFP8, NVFP4, store_rows
+from b12x.runtime.triton_codecs import MXFP4, MXFP8, NVFP4, store_rows
 from b12x.runtime.triton_rows import CODES, tokens_per_tile, word_view
 from b12x.runtime import triton_rows
 
 COPY_TOKENS = 16  # ring rows per snapshot tile
-FUSABLE = {"mxfp8": MXFP8, "nvfp4": NVFP4}
+FUSABLE = {"mxfp8": MXFP8, "nvfp4": NVFP4, "mxfp4": MXFP4}
 
 
 @triton.jit

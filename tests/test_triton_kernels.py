@@ -19,14 +19,17 @@ import triton.language as tl  # noqa: E402
 from b12x.runtime import ops  # noqa: E402,F401  (references)
 from b12x.runtime import triton_rows, triton_window  # noqa: E402
 from b12x.runtime.formats import get_format  # noqa: E402
-from b12x.runtime.triton_codecs import e4m3_code  # noqa: E402
+from b12x.runtime import formats  # noqa: E402
+from b12x.runtime.triton_codecs import e2m1_code, e4m3_code  # noqa: E402
 from benchmarks.kernel_cases import edge_rows, kv_rows, window_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REF = torch.ops.b12x
-FORMATS = ("mxfp8", "nvfp4", "bf16", "fp32")
+FORMATS = ("mxfp8", "nvfp4", "mxfp4", "bf16", "fp32")
 # 64: the tiny recipe, 512: the full model, 96: not a power of two (padded tiles).
 DIMS = (64, 512, 96)
+# Every format at every dim above, plus the indexer's 128-dim mxfp4 rows.
+FORMAT_DIMS = [(f, d) for f in FORMATS for d in DIMS] + [("mxfp4", 128)]
 # (verify width 8 | draft width 7) x (rows 1 | 3) x (tiny: dim 64, page 16 | full: dim 512, page 64)
 WINDOW_CASES = [(w, r, d, p) for w in (8, 7) for r in (1, 3) for d, p in ((64, 16), (512, 64))]
 
@@ -82,11 +85,60 @@ def test_e4m3_rounding_matches_the_cast_on_every_bf16_pattern_and_random_floats(
     assert mismatch == 0, f"{mismatch} of {bits.numel()} values round differently"
 
 
+@triton.jit
+def _e2m1_kernel(x_ptr, e_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(x_ptr + offs, mask=offs < n, other=0)
+    e = tl.load(e_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + offs, e2m1_code(bits, e), mask=offs < n)
+
+
+def test_e2m1_rounding_on_the_bits_matches_the_reference_at_every_block_exponent():
+    # mxfp4 elements: E2M1(x * 2^-e) with the sign bit of x. The reference scales in float
+    # and compares against the midpoints; the kernel rounds the bits of x directly.
+    gen = torch.Generator().manual_seed(1)
+    every_bf16 = (torch.arange(65536, dtype=torch.int32) << 16)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 8.0]).view(torch.int32)
+    near = torch.cat([mids - 1, mids, mids + 1])
+    base = torch.cat([every_bf16, near, near | (1 << 31),
+                      torch.randint(-2**31, 2**31 - 1, (50_000,), dtype=torch.int32, generator=gen)])
+    base = base[~torch.isnan(base.view(torch.float32))]
+    cases = []
+    for e in (0, -1, 3, -20, 40, -127, 125):  # the clamp's ends included
+        # Shift the midpoints to this block exponent: x = m * 2^e (exact while normal).
+        moved = (near.view(torch.float32) * 2.0**e).view(torch.int32)
+        bits = torch.cat([base, moved, moved | (1 << 31)])
+        bits = bits[~torch.isnan(bits.view(torch.float32))]
+        cases.append((bits, torch.full_like(bits, e)))
+    bits = torch.cat([c[0] for c in cases])
+    e = torch.cat([c[1] for c in cases])
+    x = bits.view(torch.float32)
+    inv = formats._pow2_table(torch.device("cpu"))[127 - e.long()]
+    want = (formats._e2m1_codes(x * inv) | (torch.signbit(x).to(torch.uint8) << 3)).to(torch.int32)
+    dev_bits, dev_e = on_device(bits, e)
+    out = torch.empty_like(dev_bits)
+    _e2m1_kernel[(triton.cdiv(bits.numel(), 8192),)](dev_bits, dev_e, out, bits.numel(), BLOCK=8192)
+    mismatch = (out.cpu() != want).sum().item()
+    assert mismatch == 0, f"{mismatch} of {bits.numel()} values round differently"
+
+
 # ---------------------------------------------------------------- formats
 
 
-@pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_has_a_triton_codec_and_unknown_names_fail_like_the_reference():
+    assert set(triton_rows.CODES) == set(formats.FORMATS)
+    assert set(triton_window.FUSABLE) <= set(triton_rows.CODES)
+    x = torch.zeros(1, 2, 64)
+    staging = torch.zeros(1, 2, 66, dtype=torch.uint8)
+    for call in (lambda: triton_rows.stage_rows(staging, x, "int3"),
+                 lambda: triton_rows.read_rows(staging, 64, "int3"),
+                 lambda: triton_rows.round_trip(x, "int3"),
+                 lambda: triton_window.cache_append(staging, x, 0, "NHD", 16, "int3")):
+        with pytest.raises(ValueError, match="unknown KV-cache format 'int3'"):
+            call()
+
+
+@pytest.mark.parametrize("fmt,dim", FORMAT_DIMS)
 def test_encode_decode_round_trip_match_the_reference(fmt, dim):
     gen = torch.Generator().manual_seed(dim)
     x = torch.cat([edge_rows(dim), torch.randn(23, dim, generator=gen) * 50]).view(4, 8, dim)
@@ -106,6 +158,13 @@ def test_the_edge_rows_exercise_the_special_cases():
     assert (enc[0, :64] == 0x7E).any() and (enc[0, :64] == 0xFE).any()  # saturation both signs
     assert (enc[2, :64] == 0).all() and (enc[1, 64:] == 0).all()  # zero blocks, -0.0 included
     assert (enc[7, :64] == 0x7E).all()  # 1.9 * 2^k block maximum saturates
+    enc = get_format("mxfp4").encode(edge_rows(64))  # [9, 32 nibble bytes + 2 scales]
+    assert enc[3, 33] == 0xFF and (enc[3, 16:32] == 0).all()  # NaN block: 0xFF, nibbles 0
+    nibbles = torch.stack((enc[:, :32] & 0xF, enc[:, :32] >> 4), -1).view(9, 64)
+    assert (nibbles[0] == 0x7).any() and (nibbles[0] == 0xF).any()  # saturation both signs
+    assert (nibbles[0] == 0x8).any()  # -0.0 in a live block keeps its sign
+    assert (nibbles[7] == 0x7).all()  # 1.9 * 2^k: 7.6 * 2^e saturates to 6
+    assert (enc[2] == 0).all()  # -0.0 blocks are zero blocks
 
 
 # ---------------------------------------------------------------- window ops
@@ -146,7 +205,7 @@ def test_commit_and_window_read_match_the_reference(width, rows, dim, page):
                        REF.window_read(staging, tokens, dim, "mxfp8"))
 
 
-@pytest.mark.parametrize("fmt", ("nvfp4", "fp32", "bf16"))
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4", "fp32", "bf16"))
 def test_window_kernels_for_the_other_formats(fmt):
     dim, width, rows, page = 64, 8, 3, 16
     case = window_case(torch.Generator().manual_seed(3), rows, width, dim, page, fmt=fmt)
