@@ -46,6 +46,7 @@ from b12x.runtime import load
 from b12x.runtime.speculative import Decoder
 
 from benchmarks.registry import Settings, benchmark, compare_rates
+from benchmarks.serving import oracle_drafter
 
 RECIPE = "dsv4-tiny"
 PROMPT_TOKENS = 256  # four 64-token prefill chunks: far past the 32-token window, many HCA groups closed
@@ -114,15 +115,6 @@ class Reference:
                 tokens.append(int(logits[0, -1].argmax()))
                 self.margins.append(margin(logits[0, -1]))
         return tokens, time.perf_counter() - start
-
-
-def oracle_drafter(truth: list[int], width: int, noise: int):
-    """Drafts each row's next `width` tokens of `truth` (padded with noise past its end)."""
-
-    def drafter(rows):
-        return [(truth[len(r.tokens) : len(r.tokens) + width] + [noise] * width)[:width] for r in rows]
-
-    return drafter
 
 
 def b12x_decode(session, prompt: list[int], new_tokens: int, drafter=None) -> tuple[list[int], float, Decoder]:
