@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "benchmarks" / "run.py"
+if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
 
 TIMED = {"replay.fused_vs_unfused", "replay.ours_vs_eager"}
 TIMED_CASES = {"verify rows=1", "verify rows=3 (bucket 4)", "draft rows=1", "draft rows=3 (bucket 4)"}
@@ -93,3 +96,57 @@ def test_reexport_benchmarks_are_registered(tmp_path):
     proc = run_runner("--only", "no-such-benchmark", "--json", str(tmp_path / "bench.json"))
     assert proc.returncode == 2
     assert "export.structural" in proc.stderr and "rewrite.scaling" in proc.stderr
+
+
+# dsv4-tiny cut to two target layers (one CSA, one HCA) plus the MTP stage, with fp32 caches:
+# it exports in about half the time of the full recipe, and its logits match transformers to
+# float rounding, so the greedy streams must agree.
+SMALL_V4 = {
+    "model.num_layers": 2,
+    "model.compress_ratios": [4, 16, 0],
+    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0},
+}
+
+
+@pytest.mark.slow
+def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
+    """The V4 benchmark in-process on a small fp32 variant (the runner would export dsv4-tiny
+    twice): every case is a well-formed tokens/s pair, and the greedy streams agree."""
+    pytest.importorskip("transformers")
+    from b12x.exporter.dims import Dims
+    from b12x.exporter.export import export_package
+    from b12x.exporter.recipe import load_recipe
+    from b12x.exporter.weights import init_weights
+    from b12x.runtime import load
+    from benchmarks import v4_reference
+    from benchmarks.registry import REGISTRY, Settings
+    from benchmarks.run import table
+    from conftest import recipe_variant
+
+    assert REGISTRY["v4_reference"] is v4_reference.v4_reference_benchmark
+    recipe = recipe_variant(v4_reference.fp32_variant(load_recipe("dsv4-tiny")), SMALL_V4, name="dsv4-small-fp32")
+    weights = init_weights(Dims.from_recipe(recipe), v4_reference.SEED)
+    package = load(export_package(recipe, tmp_path, weights=weights).path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a stream mismatch is warned about: here, fail
+        results = v4_reference.measure(package, Settings(repeat=1, warmup=0), prompt_tokens=80, new_tokens=17,
+                                       label="small")
+
+    assert [(m.benchmark, m.case) for m in results] == [
+        ("v4_reference.decode", "greedy, 1 token/step (small)"),
+        ("v4_reference.decode", "speculative, oracle drafts (small)"),
+        ("v4_reference.prefill", "80 tokens (small)"),
+    ]
+    for m in results:
+        assert m.unit == "tokens/s" and (m.baseline_label, m.candidate_label) == ("transformers", "b12x")
+        assert m.baseline > 0 and m.candidate > 0
+        assert m.ratio == pytest.approx(m.candidate / m.baseline, rel=1e-12)
+        assert len(m.baseline_samples) == len(m.candidate_samples) == 1
+        assert m.params["cache_formats"] == v4_reference.FP32_CACHES
+    greedy, spec, prefill = (m.params for m in results)
+    assert greedy["tokens_agree"] and greedy["first_difference"] is None and greedy["b12x_steps"] == 16
+    assert spec["reference"]["tokens_agree"] and spec["vs_plain_tokens_agree"]
+    # Drafts are the greedy continuation: all accepted, a full verify width per step.
+    assert spec["b12x_acceptance_rate"] == 1.0 and spec["b12x_tokens_per_step"] == 8.0 and spec["b12x_steps"] == 2
+    assert prefill["first_token_agrees"] and prefill["b12x_replays"] == 2
+    assert table(results).row_count == len(results)
