@@ -219,9 +219,10 @@ class V41ModelSpec(_DeepSeek):
             if ratios[layer] == 0:
                 raise _problem(f"layer {layer} is window-only; an index source must be a compressed layer",
                                ("csa2", "index_source_layer_ids", i))
-        for i, layer in enumerate(c.kv_source_layer_ids):
+        for layer in c.kv_source_layer_ids:
             if layer not in c.index_source_layer_ids:
-                raise _problem(f"kv source {layer} is not an index source; a Full layer indexes its own keys", (*key, i))
+                raise _problem(f"kv source {layer} is missing; a Full layer indexes its own keys",
+                               ("csa2", "index_source_layer_ids"))
         if c.candidate_source_layer_id is not None and c.candidate_source_layer_id not in c.index_source_layer_ids:
             raise _problem(f"layer {c.candidate_source_layer_id} is not an index source",
                            ("csa2", "candidate_source_layer_id"))

@@ -47,9 +47,10 @@ def recipe_variant(base, changes: dict, name: str | None = None):
     return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
 
 
-SMALL = {  # one window-only and one ratio-2 layer, one draft stage: exports in seconds
+SMALL = {  # one window-only and one ratio-2 (Full) layer, one draft stage: exports in seconds
     "model.num_layers": 2,
     "model.compress_ratios": [0, 2, 0],
+    "model.csa2": {"kv_source_layer_ids": [1], "index_source_layer_ids": [1], "candidate_source_layer_id": None},
     "model.draft.stages": 1,
     "model.draft.target_layer_ids": [1],
     "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 1, "commit": 0},

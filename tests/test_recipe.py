@@ -68,7 +68,9 @@ def test_tiny_recipe_values():
     r = load_recipe("dsv41-tiny")
     m = r.model
     assert (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads) == (512, 128, 6, 2)
-    assert (m.head_dim, m.rope_head_dim, m.intermediate_size) == (64, 16, 256)
+    assert (m.head_dim, m.rope_head_dim, m.q_lora_rank, m.moe.intermediate_size) == (64, 16, 64, 128)
+    assert (m.csa2.kv_source_layer_ids, m.csa2.index_source_layer_ids) == ((2, 4), (2, 4, 5))
+    assert (m.draft.markov_rank, m.draft.moe.experts_per_token, r.cache.index_format) == (16, 3, "mxfp4")
     assert m.compress_ratios == (0, 0, 2, 2, 1, 1, 0, 0)
     assert m.target_ratios == (0, 0, 2, 2, 1, 1)
     assert {0, 1, 2} <= set(m.target_ratios)  # every layer kind present
@@ -278,7 +280,7 @@ def test_bundled_errors_use_the_base_name(monkeypatch):
     with pytest.raises(RecipeError) as info:
         load_recipe("dsv99")
     assert info.value.file == "dsv99"
-    assert "dsv41, dsv41-tiny" in str(info.value)
+    assert "dsv4-tiny, dsv41, dsv41-tiny" in str(info.value)
     # A missing ".yaml" file is a path, not a bundled name.
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe("dsv99.yaml")
