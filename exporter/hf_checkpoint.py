@@ -150,7 +150,7 @@ def _assemble(weight: str, held: dict, tensors: dict[str, torch.Tensor], experts
 
 def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
     """Every weight `weight_specs(d)` names, read from a Hugging Face checkpoint directory."""
-    if d.v4 is None:
+    if not d.v4:
         raise CheckpointError(f"recipe family {d.family} has no Hugging Face checkpoint import; only deepseek_v4")
     root = Path(directory)
     if not root.is_dir():

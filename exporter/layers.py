@@ -182,11 +182,13 @@ class DeepSeekCompute(torch.nn.Module):
         R, T, S = score.shape
         count, size = d.max_seq_len // ratio, d.candidate_block_size
         entry = torch.cat([torch.arange(count, device=pos.device).expand(R, count), pos // ratio], dim=1)
-        block = (entry // size)[:, None, :].expand(R, T, S)
         blocks = -(-count // size)
+        # Rows past max_seq_len (prefill padding) name blocks that do not exist; no valid
+        # query sees their entries, so any in-range block will do.
+        block = (entry // size).clamp(max=blocks - 1)[:, None, :].expand(R, T, S)
         best = torch.full((R, T, blocks), float("-inf"), device=pos.device).scatter_reduce(
             -1, block, score, "amax")
         keep = top_k_mask(best, d.candidate_blocks)
-        newest = ((pos + 1) // ratio - 1).clamp(min=0) // size
+        newest = (((pos + 1) // ratio - 1).clamp(min=0) // size).clamp(max=blocks - 1)
         keep = keep.scatter(-1, newest[..., None], torch.ones_like(newest[..., None], dtype=torch.bool))
         return keep.gather(-1, block)

@@ -100,10 +100,10 @@ def test_check_refuses_settings_that_contradict_the_package(small_structural):
 
 def test_weights_index_must_hold_every_weight(checkpoint_dir, tmp_path):
     index = json.loads((checkpoint_dir / INDEX).read_text())
-    del index["weight_map"]["layers.5.wc"]
+    del index["weight_map"]["model.layers.4.self_attn.compressor.kv_proj.weight"]
     (tmp_path / INDEX).write_text(json.dumps(index))
     result = CliRunner().invoke(main, ["export", "--recipe", "dsv41-tiny", "--weights", "none",
                                        "--weights-index", str(tmp_path / INDEX), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1
-    assert "layers.5.wc: not in the checkpoint index" in result.output
+    assert "model.layers.4.self_attn.compressor.kv_proj.weight: not in the checkpoint index" in result.output
     assert not (tmp_path / "out").exists()  # refused before anything is captured

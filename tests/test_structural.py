@@ -31,7 +31,9 @@ def test_structural_package_has_the_full_packages_graphs_and_abi(structural_path
     assert structural["format_version"] == "1.1"
     tensors = structural["weights"]["tensors"]
     assert structural["weights"]["external"] is True
-    assert tensors["embed"] == {"dtype": "float32", "shape": [512, 128], "sha256": tensors["embed"]["sha256"]}
+    embed = tensors["model.embed_tokens.weight"]
+    assert embed == {"dtype": "float32", "shape": [512, 128], "sha256": embed["sha256"]}
+    assert tensors["model.layers.0.mlp.gate.tid2eid"]["dtype"] == "int64"  # the hash-routing table
     assert all(len(t["sha256"]) == 64 for t in tensors.values())
     weight_inputs = {s["name"] for p in full["passes"].values() for s in p["inputs"] if s["role"] == "weight"}
     assert set(tensors) == weight_inputs
@@ -71,31 +73,33 @@ def _edited_checkpoint(source, target, name, change):
 def test_load_rejects_a_missing_tensor_by_name(structural_path, checkpoint_dir, tmp_path):
     broken = shutil.copytree(checkpoint_dir, tmp_path / "ckpt")
     index = json.loads((broken / INDEX).read_text())
-    del index["weight_map"]["layers.3.wg"]
+    del index["weight_map"]["model.layers.2.self_attn.compressor.gate_proj.weight"]
     (broken / INDEX).write_text(json.dumps(index))
-    with pytest.raises(PackageError, match=r"^layers\.3\.wg: not in the checkpoint$"):
+    with pytest.raises(PackageError, match=r"^model\.layers\.2\.self_attn\.compressor\.gate_proj\.weight: not in the checkpoint$"):
         load(structural_path, weights=broken)
 
 
 def test_load_rejects_a_misshapen_tensor_by_name(structural_path, checkpoint_dir, tmp_path):
-    broken = _edited_checkpoint(checkpoint_dir, tmp_path / "ckpt", "layers.1.w_up", lambda t: t.T)
-    with pytest.raises(PackageError, match=r"layers\.1\.w_up: shape \[128, 256\] in .* does not match the package's \[256, 128\]"):
+    broken = _edited_checkpoint(checkpoint_dir, tmp_path / "ckpt", "model.layers.1.self_attn.q_a_proj.weight",
+                                lambda t: t.T)
+    with pytest.raises(PackageError, match=r"model\.layers\.1\.self_attn\.q_a_proj\.weight: shape \[128, 64\] in .* "
+                                           r"does not match the package's \[64, 128\]"):
         load(structural_path, weights=broken)
 
 
 def test_load_rejects_a_tensor_whose_bytes_changed(structural_path, checkpoint_dir, tmp_path):
-    broken = _edited_checkpoint(checkpoint_dir, tmp_path / "ckpt", "draft.0.wq", lambda t: t * 2)
-    with pytest.raises(PackageError, match=r"draft\.0\.wq: sha256 .* does not match the package's"):
+    broken = _edited_checkpoint(checkpoint_dir, tmp_path / "ckpt", "mtp.0.self_attn.q_b_proj.weight", lambda t: t * 2)
+    with pytest.raises(PackageError, match=r"mtp\.0\.self_attn\.q_b_proj\.weight: sha256 .* does not match the package's"):
         load(structural_path, weights=broken)
 
 
 def test_manifest_weight_list_must_match_the_pass_inputs(structural_path, tmp_path):
     copy = shutil.copytree(structural_path, tmp_path / "copy.b12x")
     manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["weights"]["tensors"]["embed"]["shape"] = [512, 64]
+    manifest["weights"]["tensors"]["model.embed_tokens.weight"]["shape"] = [512, 64]
     manifest["manifest_sha256"] = manifest_digest(manifest)  # a consistent edit, not corruption
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(PackageError, match=r"weights\.tensors\.embed does not match the pass inputs"):
+    with pytest.raises(PackageError, match=r"weights\.tensors\.model\.embed_tokens\.weight does not match the pass inputs"):
         load(copy)
 
 
@@ -118,6 +122,6 @@ def test_full_size_structural_export(tmp_path):
     assert matches == {"prefill": 0, "verify": 40, "draft": 3, "commit": 0}  # as the recipe expects
     assert sorted(manifest["files"]) == ["graphs/commit.pt2", "graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2"]
     tensors = manifest["weights"]["tensors"]
-    assert tensors["embed"] == {"dtype": "float32", "shape": [129280, 5120]}  # no index given: no checksums
+    assert tensors["model.embed_tokens.weight"] == {"dtype": "float32", "shape": [129280, 5120]}  # no index: no checksums
     assert set(tensors) == set(weight_shapes(Dims.from_recipe(load_recipe("dsv41"))))
     assert manifest["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8, 16, 32]

@@ -26,7 +26,7 @@ def perturbed_path(fused_path, tmp_path_factory):
     """The fused package with one weight element nudged (file hash updated, so it loads)."""
     copy = shutil.copytree(fused_path, tmp_path_factory.mktemp("perturbed") / "dsv41-tiny.b12x")
     weights = safetensors.torch.load_file(str(copy / "weights.safetensors"))
-    weights["layers.4.wo"][7, 3] += 0.25
+    weights["model.layers.4.self_attn.o_b_proj.weight"][7, 3] += 0.25
     data = safetensors.torch.save(dict(sorted(weights.items())), metadata={"format": "pt"})
     (copy / "weights.safetensors").write_bytes(data)
     manifest = json.loads((copy / "manifest.json").read_text())

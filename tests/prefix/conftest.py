@@ -32,7 +32,7 @@ def other_weights_pkg(small_pkg, small_path, tmp_path_factory):
     and its hash in the manifest change — what an export from another checkpoint gives."""
     target = tmp_path_factory.mktemp("other-weights") / small_path.name
     shutil.copytree(small_path, target)
-    weights = {name: t * 1.01 if t.dim() > 1 else t for name, t in small_pkg.weights.items()}
+    weights = {name: t * 1.01 if t.is_floating_point() and t.dim() > 1 else t for name, t in small_pkg.weights.items()}
     data = weights_bytes(weights)
     (target / "weights.safetensors").write_bytes(data)
     manifest = json.loads((target / "manifest.json").read_text())

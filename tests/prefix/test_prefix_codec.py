@@ -125,7 +125,9 @@ def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(fused
     layout = package_layout(fused_pkg)
     kinds = {name: (k.kind, k.window) for name, k in layout.items()}
     assert kinds["cache.layer0.window"] == ("ring", True) and kinds["cache.draft1.window"] == ("ring", True)
-    assert kinds["cache.layer2.state"] == ("ring", False) and kinds["cache.layer5.compressed"] == ("append", False)
+    assert kinds["cache.layer2.state"] == ("ring", False) and kinds["cache.layer4.compressed"] == ("append", False)
+    assert kinds["cache.layer4.index"] == ("append", False)
+    assert "cache.layer5.compressed" not in kinds  # a Reindex layer owns only its window
     assert fused_pkg.manifest["model"]["capabilities"] == {"supports_prefix_snapshot": True,
                                                            "supports_rotating_cache_snapshot": True}
     specs = [BufferSpec("cache.layer0.window", "cache", "uint8", ("slots", 128, 66)),
