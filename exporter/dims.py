@@ -135,9 +135,6 @@ class Dims:
     def compressed_row_bytes(self) -> int:
         return get_format(self.compressed_format).row_bytes(self.head_dim)
 
-    def compressed_entries(self, ratio: int) -> int:
-        return self.max_seq_len // ratio
-
 
 def _csa2_roles(ratios, csa2):
     roles, kv_source, index_source = [], [], []

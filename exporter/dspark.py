@@ -14,32 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from b12x.exporter.buffers import window_staging
 from b12x.exporter.cache_io import StagedIO
+from b12x.exporter.draft_stages import DraftStages
 from b12x.exporter.blocks import rms_norm, rope
 from b12x.runtime.abi import BufferSpec
 
 ops = torch.ops.b12x
 
 
-class DSparkDrafter:
-    def __init__(self, d, compute=None):
-        self.d, self.c = d, compute
-
-    def cache_specs(self):
-        d = self.d
-        return [BufferSpec(f"cache.draft{s}.window", "cache", "uint8", ("slots", d.history, d.window_row_bytes))
-                for s in range(d.draft_stages)]
-
-    def verify_staging_specs(self):
-        d = self.d
-        return [BufferSpec(f"staging.verify.draft{s}.context", "staging", "uint8",
-                           ("rows", d.verify_width, d.window_row_bytes)) for s in range(d.draft_stages)]
-
-    def draft_staging_specs(self):
-        return [window_staging(f"staging.draft.draft{s}.window", self.d, self.d.draft_width)
-                for s in range(self.d.draft_stages)]
-
+class DSparkDrafter(DraftStages):
     def outputs(self):
         return [BufferSpec("confidence", "output", "float32", ("rows", self.d.draft_width))]
 
@@ -54,12 +37,6 @@ class DSparkDrafter:
             a = p + "self_attn."
             kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), *main)
             io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
-
-    def commit(self, caches, staging, row_ids, pos, accepted, end):
-        d = self.d
-        for s in range(d.draft_stages):
-            ops.write_rows(caches[f"cache.draft{s}.window"], staging[f"staging.verify.draft{s}.context"], row_ids,
-                           pos % d.history, accepted, "bytes")
 
     def draft(self, w, caches, staging, inputs):
         d, c = self.d, self.c

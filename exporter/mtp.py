@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from b12x.exporter.buffers import window_staging
 from b12x.exporter.blocks import hc_mix, rms_norm, rope
 from b12x.exporter.cache_io import STATE_FORMAT
+from b12x.exporter.draft_stages import DraftStages
 from b12x.runtime.abi import BufferSpec
 from b12x.runtime.formats import get_format
 
@@ -24,34 +24,20 @@ def hidden_width(d) -> int:
     return d.hc_mult * d.hidden
 
 
-class MtpDrafter:
-    def __init__(self, d, compute=None):
-        self.d, self.c = d, compute
+class MtpDrafter(DraftStages):
+    """Adds per stage the streams of the slot's last committed position (one row per slot)."""
 
-    # -- buffers -----------------------------------------------------------------------
+    def stage_cache_specs(self, stage):
+        return [BufferSpec(f"cache.draft{stage}.hidden", "cache", "uint8",
+                           ("slots", 1, get_format(STATE_FORMAT).row_bytes(hidden_width(self.d))))]
 
-    def cache_specs(self):
-        d, out = self.d, []
-        for s in range(d.draft_stages):
-            out.append(BufferSpec(f"cache.draft{s}.window", "cache", "uint8", ("slots", d.history, d.window_row_bytes)))
-            out.append(BufferSpec(f"cache.draft{s}.hidden", "cache", "uint8",
-                                  ("slots", 1, get_format(STATE_FORMAT).row_bytes(hidden_width(d)))))
-        return out
+    def stage_staging_specs(self, stage):
+        return [BufferSpec(f"staging.verify.draft{stage}.hidden", "staging", "uint8",
+                           ("rows", self.d.verify_width, get_format(STATE_FORMAT).row_bytes(hidden_width(self.d))))]
 
-    def verify_staging_specs(self):
-        d, w, out = self.d, self.d.verify_width, []
-        for s in range(d.draft_stages):
-            out.append(BufferSpec(f"staging.verify.draft{s}.context", "staging", "uint8", ("rows", w, d.window_row_bytes)))
-            out.append(BufferSpec(f"staging.verify.draft{s}.hidden", "staging", "uint8",
-                                  ("rows", w, get_format(STATE_FORMAT).row_bytes(hidden_width(d)))))
-        return out
-
-    def draft_staging_specs(self):
-        return [window_staging(f"staging.draft.draft{s}.window", self.d, self.d.draft_width)
-                for s in range(self.d.draft_stages)]
-
-    def outputs(self):
-        return []
+    def commit_stage(self, stage, caches, staging, row_ids, pos, accepted, end):
+        ops.write_rows(caches[f"cache.draft{stage}.hidden"], staging[f"staging.verify.draft{stage}.hidden"], row_ids,
+                       torch.zeros_like(pos), accepted & (pos == end - 1), "bytes")
 
     # -- target passes ---------------------------------------------------------------------
 
@@ -80,14 +66,6 @@ class MtpDrafter:
             kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), *main)
             io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
             io.rows(f"draft{s}.hidden", f"draft{s}.hidden", streams.flatten(-2), STATE_FORMAT, last_only=True)
-
-    def commit(self, caches, staging, row_ids, pos, accepted, end):
-        d = self.d
-        for s in range(d.draft_stages):
-            ops.write_rows(caches[f"cache.draft{s}.window"], staging[f"staging.verify.draft{s}.context"], row_ids,
-                           pos % d.history, accepted, "bytes")
-            ops.write_rows(caches[f"cache.draft{s}.hidden"], staging[f"staging.verify.draft{s}.hidden"], row_ids,
-                           torch.zeros_like(pos), accepted & (pos == end - 1), "bytes")
 
     # -- the draft pass -------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic import ValidationError, model_validator
 
 from b12x.exporter.recipe_model import V4ModelSpec, V41ModelSpec
-from b12x.exporter.recipe_types import (Buckets, KeyPath, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
+from b12x.exporter.recipe_types import (Buckets, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
                                         format_key_path)
 from b12x.runtime.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
 from b12x.exporter.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml

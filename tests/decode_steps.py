@@ -9,6 +9,18 @@ from __future__ import annotations
 import torch
 
 COMMIT_WIDTHS = (1, 7, 8)
+FP32_CACHES = {"cache.window_format": "fp32", "cache.compressed_format": "fp32", "cache.index_format": "fp32"}
+
+
+def exported(recipe, weights, tmp_path_factory, changes=None, name=None):
+    """The recipe (or its variant with `changes`) exported with `weights`, loaded."""
+    from b12x.exporter.export import export_package
+    from b12x.runtime import load
+    from conftest import recipe_variant
+
+    if changes:
+        recipe = recipe_variant(recipe, changes, name=name)
+    return load(export_package(recipe, tmp_path_factory.mktemp(recipe.name), weights=weights).path)
 
 
 def prefill(session, slot, tokens):

@@ -14,15 +14,12 @@ import pytest
 import torch
 
 from b12x.exporter.dims import Dims
-from b12x.exporter.export import export_package
 from b12x.exporter.pass_modules import PASSES
 from b12x.exporter.weights import init_weights
-from b12x.runtime import load
 from conftest import random_tokens, recipe_variant
-from decode_steps import incremental, relative_rms
+from decode_steps import FP32_CACHES, exported, incremental, relative_rms
 
 LENGTH = 360
-FP32 = {"cache.window_format": "fp32", "cache.compressed_format": "fp32", "cache.index_format": "fp32"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +36,7 @@ def sequences():
 def single_forward(recipe, weights, tokens):
     """Every position in one prefill call: nothing is read back from a cache."""
     n = len(tokens)
-    variant = recipe_variant(recipe, {**FP32, "cache.history": n, "passes.prefill.chunk": n, "rewrites": []},
+    variant = recipe_variant(recipe, {**FP32_CACHES, "cache.history": n, "passes.prefill.chunk": n, "rewrites": []},
                              name="single-forward")
     module = PASSES["prefill"](Dims.from_recipe(variant))
     caches = {s.name: torch.zeros(s.resolve({"slots": 2}), dtype=s.torch_dtype) for s in module.caches()}
@@ -57,13 +54,12 @@ def expected(tiny_recipe, weights, sequences):
 
 @pytest.fixture(scope="module")
 def fp32_pkg(tiny_recipe, weights, tmp_path_factory):
-    variant = recipe_variant(tiny_recipe, FP32, name="dsv41-tiny-fp32")
-    return load(export_package(variant, tmp_path_factory.mktemp("v41fp32"), weights=weights).path)
+    return exported(tiny_recipe, weights, tmp_path_factory, FP32_CACHES, name="dsv41-tiny-fp32")
 
 
 @pytest.fixture(scope="module")
 def quantised_pkg(tiny_recipe, weights, tmp_path_factory):
-    return load(export_package(tiny_recipe, tmp_path_factory.mktemp("v41q"), weights=weights).path)
+    return exported(tiny_recipe, weights, tmp_path_factory)
 
 
 def test_incremental_equals_single_forward(fp32_pkg, tiny_recipe, expected, sequences):

@@ -13,19 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.exporter.export import export_package
 from b12x.exporter.recipe import load_recipe
-from b12x.runtime import load
 from b12x.runtime.speculative import Decoder
-from conftest import random_tokens, recipe_variant
+from conftest import random_tokens
 from test_speculative import assert_same_or_near_tie
 from b12x.exporter.dims import Dims
 from b12x.exporter.hf_checkpoint import load_hf_checkpoint
-from decode_steps import incremental, prefill, relative_rms
+from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
 from hf_reference import reference_logits, save_tiny_checkpoint
 
 TOLERANCE = 1e-4
-FP32 = {"cache.window_format": "fp32", "cache.compressed_format": "fp32", "cache.index_format": "fp32"}
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +49,12 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def fp32_pkg(recipe, weights, tmp_path_factory):
-    variant = recipe_variant(recipe, FP32, name="dsv4-tiny-fp32")
-    return load(export_package(variant, tmp_path_factory.mktemp("v4fp32"), weights=weights).path)
+    return exported(recipe, weights, tmp_path_factory, FP32_CACHES, name="dsv4-tiny-fp32")
 
 
 @pytest.fixture(scope="module")
 def quantised_pkg(recipe, weights, tmp_path_factory):
-    return load(export_package(recipe, tmp_path_factory.mktemp("v4q"), weights=weights).path)
+    return exported(recipe, weights, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
