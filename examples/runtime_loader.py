@@ -2,15 +2,15 @@
 
     python examples/runtime_loader.py out/dsv41-tiny.b12x
 
-Copy from here: it uses only `b12x.runtime`, which never imports the exporter.
+Copy from here: it uses only `b12x_toolchain.runtime`, which never imports the exporter.
 """
 
 from __future__ import annotations
 
 import sys
 
-from b12x.runtime import load
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.speculative import Decoder
 
 
 def main(path: str) -> None:

@@ -2,7 +2,7 @@
 
     python examples/serving_loop.py out/dsv41-tiny.b12x
 
-Copy from here: it uses only `b12x.runtime`, which never imports the exporter.
+Copy from here: it uses only `b12x_toolchain.runtime`, which never imports the exporter.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from b12x.runtime import load
-from b12x.runtime.engine import Engine
-from b12x.runtime.requests import Request
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.engine import Engine
+from b12x_toolchain.runtime.requests import Request
 
 
 def main(path: str) -> None:

@@ -14,12 +14,12 @@ is read again by commit, so staging names are shared between passes.
 
 from __future__ import annotations
 
-from b12x.exporter.cache_io import STATE_FORMAT
-from b12x.exporter.dims import Dims
-from b12x.exporter.weights import weight_specs as weight_shapes_dtypes
-from b12x.runtime.abi import BufferSpec
-from b12x.runtime.formats import get_format
-from b12x.runtime.layout import staging_shape
+from b12x_toolchain.exporter.cache_io import STATE_FORMAT
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.weights import weight_specs as weight_shapes_dtypes
+from b12x_toolchain.runtime.abi import BufferSpec
+from b12x_toolchain.runtime.formats import get_format
+from b12x_toolchain.runtime.layout import staging_shape
 
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x.exporter.dims import Dims
+from b12x_toolchain.exporter.dims import Dims
 
 ops = torch.ops.b12x
 STATE_FORMAT = "fp32"

@@ -20,8 +20,8 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.export import Dim
 
-from b12x.exporter.pass_modules import PassModule
-from b12x.runtime.abi import BufferSpec
+from b12x_toolchain.exporter.pass_modules import PassModule
+from b12x_toolchain.runtime.abi import BufferSpec
 
 EXAMPLE_SIZES = {"rows": 2, "slots": 3}  # not 0 or 1, so export does not specialise them
 GROUPS = ("weight", "cache", "staging", "input")

@@ -15,7 +15,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from b12x.runtime.checkpoint import INDEX, CheckpointError, tensor_sha256
+from b12x_toolchain.runtime.checkpoint import INDEX, CheckpointError, tensor_sha256
 
 
 def write_checkpoint(weights: dict[str, torch.Tensor], root, shard_bytes: int = 1 << 30) -> Path:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from b12x.exporter.cmd_abi import abi
-from b12x.exporter.cmd_export import export
-from b12x.exporter.cmd_inspect import inspect
-from b12x.exporter.cmd_recipe import recipe
-from b12x.exporter.cmd_run import run
-from b12x.exporter.cmd_verify import verify
+from b12x_toolchain.exporter.cmd_abi import abi
+from b12x_toolchain.exporter.cmd_export import export
+from b12x_toolchain.exporter.cmd_inspect import inspect
+from b12x_toolchain.exporter.cmd_recipe import recipe
+from b12x_toolchain.exporter.cmd_run import run
+from b12x_toolchain.exporter.cmd_verify import verify
 
 
 @click.group()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from b12x.exporter.cli_common import fail
+from b12x_toolchain.exporter.cli_common import fail
 
 
 @click.group()
@@ -21,9 +21,9 @@ def diff(a, b):
     A and B are package directories or their manifest.json files (a committed manifest
     stands for the package CI exported before).
     """
-    from b12x.exporter.abi_diff import diff_manifests
-    from b12x.runtime import PackageError
-    from b12x.runtime.package import read_manifest
+    from b12x_toolchain.exporter.abi_diff import diff_manifests
+    from b12x_toolchain.runtime import PackageError
+    from b12x_toolchain.runtime.package import read_manifest
 
     try:
         manifest_a, manifest_b = read_manifest(a), read_manifest(b)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from b12x.exporter.cli_common import console, fail
+from b12x_toolchain.exporter.cli_common import console, fail
 
 
 class Progress:
@@ -34,18 +34,18 @@ class Progress:
 
 
 def _checksums(index, recipe):
-    from b12x.exporter.checkpoint import index_checksums
-    from b12x.exporter.dims import Dims
-    from b12x.exporter.weights import weight_shapes
+    from b12x_toolchain.exporter.checkpoint import index_checksums
+    from b12x_toolchain.exporter.dims import Dims
+    from b12x_toolchain.exporter.weights import weight_shapes
 
     return index_checksums(index, weight_shapes(Dims.from_recipe(recipe)))
 
 
 def _check(check_path, recipe, weights_index, dump_passes, jobs):
-    from b12x.exporter.export import ExportError
-    from b12x.exporter.reexport import ReexportError, check_package, settings_from_manifest
-    from b12x.runtime import PackageError
-    from b12x.runtime.package import read_manifest
+    from b12x_toolchain.exporter.export import ExportError
+    from b12x_toolchain.exporter.reexport import ReexportError, check_package, settings_from_manifest
+    from b12x_toolchain.runtime import PackageError
+    from b12x_toolchain.runtime.package import read_manifest
 
     try:
         manifest = read_manifest(check_path)
@@ -69,9 +69,9 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
 
 def _checkpoint_weights(directory, recipe):
     """(weights, source) from a Hugging Face checkpoint; a CheckpointError names the directory."""
-    from b12x.exporter.dims import Dims
-    from b12x.exporter.hf_checkpoint import checkpoint_source, load_hf_checkpoint
-    from b12x.runtime.checkpoint import CheckpointError
+    from b12x_toolchain.exporter.dims import Dims
+    from b12x_toolchain.exporter.hf_checkpoint import checkpoint_source, load_hf_checkpoint
+    from b12x_toolchain.runtime.checkpoint import CheckpointError
 
     try:
         return load_hf_checkpoint(directory, Dims.from_recipe(recipe)), checkpoint_source(directory)
@@ -104,9 +104,9 @@ def _checkpoint_weights(directory, recipe):
 def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, checkpoint_dir, check_path, dump_passes,
            jobs):
     """Capture every pass of a recipe, rewrite it and write a package."""
-    from b12x.exporter.export import ExportError, export_package
-    from b12x.exporter.recipe import RecipeError, load_recipe
-    from b12x.runtime.checkpoint import CheckpointError
+    from b12x_toolchain.exporter.export import ExportError, export_package
+    from b12x_toolchain.exporter.recipe import RecipeError, load_recipe
+    from b12x_toolchain.runtime.checkpoint import CheckpointError
 
     if weights_index is not None and weights_mode != "none" and check_path is None:
         fail("--weights-index needs --weights none")

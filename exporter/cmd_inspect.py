@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from b12x.exporter.cli_common import console, fail
+from b12x_toolchain.exporter.cli_common import console, fail
 
 
 def _summary(manifest: dict) -> None:
@@ -47,7 +47,7 @@ def _summary(manifest: dict) -> None:
 def _write_onnx(pkg, out_dir: str) -> None:
     import onnx
 
-    from b12x.exporter.onnx_view import graph_to_onnx
+    from b12x_toolchain.exporter.onnx_view import graph_to_onnx
 
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -68,7 +68,7 @@ def _write_onnx(pkg, out_dir: str) -> None:
               help="Write an ONNX view of every pass to DIR/PASS.onnx (b12x ops in domain b12x).")
 def inspect(package, as_json, graph_pass, dot_path, onnx_dir):
     """Show a package's passes, calling conventions, ABI fingerprint, rewrites and files."""
-    from b12x.runtime import PackageError, load
+    from b12x_toolchain.runtime import PackageError, load
 
     if dot_path is not None and graph_pass is None:
         fail("--dot needs --graph PASS")
@@ -79,7 +79,7 @@ def inspect(package, as_json, graph_pass, dot_path, onnx_dir):
     if as_json:
         click.echo(json.dumps(pkg.manifest, indent=2, sort_keys=True))
     elif graph_pass is not None:
-        from b12x.exporter.graph_text import graph_dot, graph_text
+        from b12x_toolchain.exporter.graph_text import graph_dot, graph_text
 
         if graph_pass not in pkg.passes:
             fail(f"no pass {graph_pass!r}; this package has {', '.join(sorted(pkg.passes))}")

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 import yaml
 
-from b12x.exporter.cli_common import fail
+from b12x_toolchain.exporter.cli_common import fail
 
 
 class _Dumper(yaml.SafeDumper):
@@ -43,8 +43,8 @@ def recipe():
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write here instead of to stdout.")
 def from_hf(config_json, template, name, max_seq_len, out_file):
     """Make a deepseek_v4 recipe from a Hugging Face DeepSeek V4 CONFIG_JSON (or its directory)."""
-    from b12x.exporter.hf_config import HfConfigError, read_config, recipe_from_hf_config, recipe_name
-    from b12x.exporter.recipe import RecipeError, load_recipe, parse_recipe
+    from b12x_toolchain.exporter.hf_config import HfConfigError, read_config, recipe_from_hf_config, recipe_name
+    from b12x_toolchain.exporter.recipe import RecipeError, load_recipe, parse_recipe
 
     path = Path(config_json)
     label = f"{path.resolve().parent.name}/{path.name}" if not path.is_dir() else f"{path.resolve().name}/config.json"

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from b12x.exporter.cli_common import fail
-from b12x.exporter.run_requests import Defaults, PromptError, from_ids, parse_ids, read_prompt_file
+from b12x_toolchain.exporter.cli_common import fail
+from b12x_toolchain.exporter.run_requests import Defaults, PromptError, from_ids, parse_ids, read_prompt_file
 
 STEP_COLUMNS = ("step", "rows", "padding_rows", "drafted", "accepted", "bonus", "admitted", "retired", "slot_reuse")
 
@@ -78,11 +78,11 @@ def _steps_table(steps: list[dict]) -> Table:
 def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, show_steps,
         threads, prefix_cache_dir, prefix_cache_bytes):
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report."""
-    from b12x.runtime import PackageError, load
-    from b12x.runtime.engine import Engine
-    from b12x.runtime.prefix_cache import PrefixCache
-    from b12x.runtime.requests import check_request
-    from b12x.runtime.validate import InputError
+    from b12x_toolchain.runtime import PackageError, load
+    from b12x_toolchain.runtime.engine import Engine
+    from b12x_toolchain.runtime.prefix_cache import PrefixCache
+    from b12x_toolchain.runtime.requests import check_request
+    from b12x_toolchain.runtime.validate import InputError
 
     if not prompt_ids and not prompt_files:
         raise click.UsageError("give at least one prompt: --prompt-ids or --prompts")

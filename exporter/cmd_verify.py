@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from b12x.exporter.cli_common import console, fail
+from b12x_toolchain.exporter.cli_common import console, fail
 
 
 @click.command()
@@ -23,9 +23,9 @@ def verify(a, b, seed, trials, atol, rtol, checkpoint):
     """Replay packages A and B on the same random inputs for every pass and rows bucket,
     reusable storage poisoned first, and compare outputs, staging and persistent caches.
     Exit 1 on any difference."""
-    from b12x.exporter.package_verify import Tolerance, verify_packages
-    from b12x.runtime import load
-    from b12x.runtime.package import read_manifest
+    from b12x_toolchain.exporter.package_verify import Tolerance, verify_packages
+    from b12x_toolchain.runtime import load
+    from b12x_toolchain.runtime.package import read_manifest
 
     tolerance = Tolerance(atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from b12x.runtime.formats import get_format
+from b12x_toolchain.runtime.formats import get_format
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from b12x.exporter.buffers import window_staging
-from b12x.runtime.abi import BufferSpec
+from b12x_toolchain.exporter.buffers import window_staging
+from b12x_toolchain.runtime.abi import BufferSpec
 
 ops = torch.ops.b12x
 

@@ -9,18 +9,18 @@ from typing import Callable
 
 import torch
 
-import b12x
-from b12x.exporter.dims import Dims
-from b12x.exporter.package_writer import weights_bytes, write_package
-from b12x.exporter.pass_export import PassJob, PassOutput, run_jobs
-from b12x.exporter.pass_modules import PASSES
-from b12x.exporter.structural import external_weights
-from b12x.exporter.weights import init_weights
-from b12x.passes.manager import PassRecord
-from b12x.runtime.abi import fingerprint
-from b12x.runtime.ops import OPSET_VERSION
-from b12x.runtime.package import FORMAT_VERSION
-from b12x.runtime.snapshot import capabilities as snapshot_capabilities
+import b12x_toolchain
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.package_writer import weights_bytes, write_package
+from b12x_toolchain.exporter.pass_export import PassJob, PassOutput, run_jobs
+from b12x_toolchain.exporter.pass_modules import PASSES
+from b12x_toolchain.exporter.structural import external_weights
+from b12x_toolchain.exporter.weights import init_weights
+from b12x_toolchain.passes.manager import PassRecord
+from b12x_toolchain.runtime.abi import fingerprint
+from b12x_toolchain.runtime.ops import OPSET_VERSION
+from b12x_toolchain.runtime.package import FORMAT_VERSION
+from b12x_toolchain.runtime.snapshot import capabilities as snapshot_capabilities
 
 FLASHINFER_PIN = "0.7.4"  # the `cuda` extra pins exactly this version
 
@@ -48,7 +48,7 @@ def _version(dist: str) -> str:
 
 def tool_versions() -> dict:
     return {
-        "b12x": b12x.__version__,
+        "b12x": b12x_toolchain.__version__,
         "torch": torch.__version__,
         "safetensors": _version("safetensors"),
         "flashinfer_pin": FLASHINFER_PIN,

@@ -14,9 +14,9 @@ import re
 import torch
 import torch.fx
 
-from b12x.exporter.capture import group_inputs
-from b12x.passes.dependency import tensor_args
-from b12x.runtime.abi import BufferSpec
+from b12x_toolchain.exporter.capture import group_inputs
+from b12x_toolchain.passes.dependency import tensor_args
+from b12x_toolchain.runtime.abi import BufferSpec
 
 SYMBOL = re.compile(r"\bs\d+\b")
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from b12x.exporter.dims import Dims
-from b12x.exporter.hf_config import CONFIG, YARN_KEYS, HfConfigError, model_fields, read_config, tied_embeddings
-from b12x.exporter.hf_names import Target, target_of
-from b12x.exporter.weights import weight_specs
-from b12x.runtime.checkpoint import CheckpointError, read_checkpoint, weight_map
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.hf_config import CONFIG, YARN_KEYS, HfConfigError, model_fields, read_config, tied_embeddings
+from b12x_toolchain.exporter.hf_names import Target, target_of
+from b12x_toolchain.exporter.weights import weight_specs
+from b12x_toolchain.runtime.checkpoint import CheckpointError, read_checkpoint, weight_map
 
 __all__ = ["checkpoint_source", "load_hf_checkpoint"]
 

@@ -387,7 +387,7 @@ def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
     bundled dsv4-tiny by default). fuse_window_snapshot's expected matches follow the
     new layer count: one window snapshot site per target layer in verify, none in draft.
     """
-    from b12x.exporter.recipe import Recipe, V4ModelSpec, load_recipe
+    from b12x_toolchain.exporter.recipe import Recipe, V4ModelSpec, load_recipe
 
     if template is None:
         template = load_recipe("dsv4-tiny")

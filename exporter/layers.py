@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from b12x.exporter.blocks import (attend_with_sink, grouped_out, hc_head, hc_merge, hc_mix, inv_freq, mask_unseen, moe,
+from b12x_toolchain.exporter.blocks import (attend_with_sink, grouped_out, hc_head, hc_merge, hc_mix, inv_freq, mask_unseen, moe,
                                   pool, rms_norm, rope, rope_angles, top_k_mask, unit_rms_norm)
-from b12x.exporter.cache_io import _before
+from b12x_toolchain.exporter.cache_io import _before
 
 ops = torch.ops.b12x
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from b12x.exporter.blocks import hc_mix, rms_norm, rope
-from b12x.exporter.cache_io import STATE_FORMAT
-from b12x.exporter.draft_stages import DraftStages
-from b12x.runtime.abi import BufferSpec
-from b12x.runtime.formats import get_format
+from b12x_toolchain.exporter.blocks import hc_mix, rms_norm, rope
+from b12x_toolchain.exporter.cache_io import STATE_FORMAT
+from b12x_toolchain.exporter.draft_stages import DraftStages
+from b12x_toolchain.runtime.abi import BufferSpec
+from b12x_toolchain.runtime.formats import get_format
 
 ops = torch.ops.b12x
 

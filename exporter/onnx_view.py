@@ -20,9 +20,9 @@ import torch
 import torch.fx
 from onnx import TensorProto, helper
 
-import b12x
-from b12x.exporter.graph_text import GraphNames, written
-from b12x.runtime.ops import NAMESPACE, OPSET_VERSION
+import b12x_toolchain
+from b12x_toolchain.exporter.graph_text import GraphNames, written
+from b12x_toolchain.runtime.ops import NAMESPACE, OPSET_VERSION
 
 ATEN_DOMAIN = "org.pytorch.aten"
 PYTHON_DOMAIN = "org.python"
@@ -148,7 +148,7 @@ def graph_to_onnx(gm: torch.fx.GraphModule, inputs, outputs, title: str) -> onnx
         value_info=[v for n, v in info.items() if n not in set(graph_inputs) | set(graph_outputs)],
     )
     opsets = [helper.make_opsetid("", DEFAULT_OPSET)] + [helper.make_opsetid(d, v) for d, v in sorted(domains.items())]
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="b12x", producer_version=b12x.__version__)
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="b12x", producer_version=b12x_toolchain.__version__)
     model.ir_version = IR_VERSION
     model.doc_string = (f"b12x pass {title}: view for inspection. In-place writes are new versions NAME@k; "
                         f"b12x ops are op set {OPSET_VERSION}.")

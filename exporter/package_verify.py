@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
-from b12x.exporter.dims import Dims
-from b12x.exporter.recipe import parse_recipe
-from b12x.runtime.formats import get_format
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.recipe import parse_recipe
+from b12x_toolchain.runtime.formats import get_format
 
 
 PASS_ORDER = ("prefill", "verify", "draft", "commit")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.fx
 
-from b12x.exporter.graph_text import graph_text
+from b12x_toolchain.exporter.graph_text import graph_text
 
 
 class PassDump:

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from b12x.exporter.capture import capture
-from b12x.exporter.dims import Dims
-from b12x.exporter.package_writer import program_bytes
-from b12x.exporter.pass_dump import PassDump
-from b12x.exporter.pass_modules import PASSES
-from b12x.exporter.structural import fake_weights
-from b12x.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
-from b12x.runtime.abi import BufferSpec
+from b12x_toolchain.exporter.capture import capture
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.package_writer import program_bytes
+from b12x_toolchain.exporter.pass_dump import PassDump
+from b12x_toolchain.exporter.pass_modules import PASSES
+from b12x_toolchain.exporter.structural import fake_weights
+from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x_toolchain.runtime.abi import BufferSpec
 
 
 @dataclass
@@ -50,7 +50,7 @@ class PassOutput:
 
 
 def export_pass(job: PassJob) -> PassOutput:
-    from b12x.exporter.export import ExportError
+    from b12x_toolchain.exporter.export import ExportError
 
     started, cpu_started = time.perf_counter(), time.process_time()
     d = Dims.from_recipe(job.recipe)

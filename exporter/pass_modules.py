@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from b12x.exporter import buffers
-from b12x.exporter.cache_io import DirectIO, StagedIO
-from b12x.exporter.dspark import DSparkDrafter
-from b12x.exporter.layers import DeepSeekCompute, Shared
-from b12x.exporter.mtp import MtpDrafter
-from b12x.runtime.abi import BufferSpec
+from b12x_toolchain.exporter import buffers
+from b12x_toolchain.exporter.cache_io import DirectIO, StagedIO
+from b12x_toolchain.exporter.dspark import DSparkDrafter
+from b12x_toolchain.exporter.layers import DeepSeekCompute, Shared
+from b12x_toolchain.exporter.mtp import MtpDrafter
+from b12x_toolchain.runtime.abi import BufferSpec
 
 ops = torch.ops.b12x
 

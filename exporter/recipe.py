@@ -21,11 +21,11 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic import ValidationError, model_validator
 
-from b12x.exporter.recipe_model import V4ModelSpec, V41ModelSpec
-from b12x.exporter.recipe_types import (Buckets, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
+from b12x_toolchain.exporter.recipe_model import V4ModelSpec, V41ModelSpec
+from b12x_toolchain.exporter.recipe_types import (Buckets, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
                                         format_key_path)
-from b12x.runtime.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
-from b12x.exporter.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
+from b12x_toolchain.runtime.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
+from b12x_toolchain.exporter.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 
 __all__ = [
     "KNOWN_REWRITES", "PASS_NAMES", "Recipe", "RecipeError",
@@ -232,7 +232,7 @@ def _decode(data: bytes, file: str) -> str:
 
 def bundled_recipes() -> list[str]:
     """Names of the recipes shipped with b12x, usable with ``load_recipe(name)``."""
-    return sorted(p.name[: -len(".yaml")] for p in files("b12x.recipes").iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[: -len(".yaml")] for p in files("b12x_toolchain.recipes").iterdir() if p.name.endswith(".yaml"))
 
 
 def _is_path(source: str) -> bool:
@@ -254,7 +254,7 @@ def load_recipe(source: str | os.PathLike[str]) -> Recipe:
         raise RecipeError(source, None, "", f"no such recipe file or bundled recipe {source!r};"
                           f" bundled recipes: {', '.join(names)}")
     label = f"{source}.yaml"
-    return parse_recipe((files("b12x.recipes") / label).read_bytes(), label)
+    return parse_recipe((files("b12x_toolchain.recipes") / label).read_bytes(), label)
 
 
 def _read_file(path: Path, label: str) -> bytes:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from b12x.exporter.export import export_package
-from b12x.exporter.recipe import parse_recipe
+from b12x_toolchain.exporter.export import export_package
+from b12x_toolchain.exporter.recipe import parse_recipe
 
 
 class ReexportError(ValueError):

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from b12x.runtime.requests import Request
+from b12x_toolchain.runtime.requests import Request
 
 JSON_KEYS = ("prompt", "max_new_tokens", "stop", "id", "seed")
 

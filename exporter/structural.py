@@ -14,8 +14,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from b12x.exporter.dims import Dims
-from b12x.exporter.weights import weight_specs
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.weights import weight_specs
 
 
 def fake_weights(d: Dims) -> dict[str, torch.Tensor]:

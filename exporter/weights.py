@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x.exporter.dims import Dims
+from b12x_toolchain.exporter.dims import Dims
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from b12x.passes.dependency import tensor_args
-from b12x.runtime.ops import NAMESPACE, OPS
+from b12x_toolchain.passes.dependency import tensor_args
+from b12x_toolchain.runtime.ops import NAMESPACE, OPS
 
 KNOWN_OPS = set(OPS.values())
 

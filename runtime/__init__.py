@@ -7,9 +7,9 @@ __all__ = ["Package", "PackageError", "load"]
 
 
 def __getattr__(name):
-    # Lazy so that `import b12x.runtime.formats` does not pull in torch.export machinery.
+    # Lazy so that `import b12x_toolchain.runtime.formats` does not pull in torch.export machinery.
     if name in __all__:
-        from b12x.runtime import package
+        from b12x_toolchain.runtime import package
 
         return getattr(package, name)
-    raise AttributeError(f"module 'b12x.runtime' has no attribute {name!r}")
+    raise AttributeError(f"module 'b12x_toolchain.runtime' has no attribute {name!r}")

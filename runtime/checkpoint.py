@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from b12x.runtime.package import PackageError
+from b12x_toolchain.runtime.package import PackageError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x.runtime import triton_rows, triton_window
+from b12x_toolchain.runtime import triton_rows, triton_window
 
 KERNELS = {
     "window_snapshot": triton_window.window_snapshot,

@@ -22,10 +22,10 @@ from collections.abc import Iterable
 
 import torch
 
-from b12x.runtime.requests import Request, RequestState, check_request
-from b12x.runtime.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
-from b12x.runtime.serving_stats import EngineStats, StepStats
-from b12x.runtime.speculative import confident_drafts, confident_lengths
+from b12x_toolchain.runtime.requests import Request, RequestState, check_request
+from b12x_toolchain.runtime.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
+from b12x_toolchain.runtime.serving_stats import EngineStats, StepStats
+from b12x_toolchain.runtime.speculative import confident_drafts, confident_lengths
 
 DECODE_PASSES = ("draft", "verify", "commit")
 

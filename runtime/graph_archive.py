@@ -28,7 +28,7 @@ ALLOWED = {
 
 
 def check_archive(name: str, data: bytes) -> None:
-    from b12x.runtime.package import PackageError
+    from b12x_toolchain.runtime.package import PackageError
 
     def refuse(reason: str):
         raise PackageError(f"{name}: {reason}")
@@ -70,8 +70,8 @@ ALLOWED_PYTHON = {"operator.getitem"}
 def check_graph_ops(name: str, graph) -> None:
     """A graph may call aten ops, the b12x op set and getitem: nothing that reaches files,
     processes or other libraries' ops (a replay must only compute)."""
-    from b12x.runtime.ops import OPS
-    from b12x.runtime.package import PackageError
+    from b12x_toolchain.runtime.ops import OPS
+    from b12x_toolchain.runtime.package import PackageError
 
     known = set(OPS.values())
     for node in graph.nodes:

@@ -21,8 +21,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from b12x.runtime import ops
-from b12x.runtime.validate import BufferError
+from b12x_toolchain.runtime import ops
+from b12x_toolchain.runtime.validate import BufferError
 
 WARMUP_STEPS = 2  # the first compiles and autotunes; the second runs what capture records
 

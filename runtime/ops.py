@@ -17,8 +17,8 @@ import importlib.util
 
 import torch
 
-from b12x.runtime.formats import get_format
-from b12x.runtime.layout import history_offsets, ring_index, token_view
+from b12x_toolchain.runtime.formats import get_format
+from b12x_toolchain.runtime.layout import history_offsets, ring_index, token_view
 
 OPSET_VERSION = 1
 NAMESPACE = "b12x"
@@ -168,6 +168,6 @@ OPS = {
 # Only where CUDA exists, and only for CUDA tensors: the CPU path never imports Triton.
 CUDA_KERNELS = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 if CUDA_KERNELS:
-    from b12x.runtime.cuda_kernels import register as _register_cuda_kernels
+    from b12x_toolchain.runtime.cuda_kernels import register as _register_cuda_kernels
 
     _register_cuda_kernels()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from b12x.runtime import ops as _ops  # noqa: F401  (graphs need the op set registered)
-from b12x.runtime.abi import BufferSpec, fingerprint
-from b12x.runtime.graph_archive import check_archive, check_graph_ops
-from b12x.runtime.ops import OPSET_VERSION
+from b12x_toolchain.runtime import ops as _ops  # noqa: F401  (graphs need the op set registered)
+from b12x_toolchain.runtime.abi import BufferSpec, fingerprint
+from b12x_toolchain.runtime.graph_archive import check_archive, check_graph_ops
+from b12x_toolchain.runtime.ops import OPSET_VERSION
 
 # major.minor: a newer major is refused, an older minor accepted. 1.1 added external
 # weights (structural packages: weights.external, weights.tensors).
@@ -64,7 +64,7 @@ class Package:
         return bool(self.manifest["weights"].get("external"))
 
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None):
-        from b12x.runtime.session import Session
+        from b12x_toolchain.runtime.session import Session
 
         if self.weights is None:
             raise PackageError(f"{self.path.name}: weights are external and not bound; "
@@ -197,7 +197,7 @@ def load(path, weights=None) -> Package:
     A structural package (external weights) loaded without `weights` can be inspected but
     not run: `Package.session` refuses until the weights are bound.
     """
-    from b12x.runtime.weight_binding import bind_weights  # it raises PackageError: imported late
+    from b12x_toolchain.runtime.weight_binding import bind_weights  # it raises PackageError: imported late
 
     root = Path(path)
     if not root.is_dir():

@@ -30,10 +30,10 @@ import queue
 import threading
 from dataclasses import asdict, dataclass
 
-from b12x.runtime.prefix_keys import token_bytes
-from b12x.runtime.prefix_l1 import L1Cache
-from b12x.runtime.prefix_l2 import L2Store
-from b12x.runtime.snapshot import LayoutError, Snapshot, SnapshotCodec, SnapshotError
+from b12x_toolchain.runtime.prefix_keys import token_bytes
+from b12x_toolchain.runtime.prefix_l1 import L1Cache
+from b12x_toolchain.runtime.prefix_l2 import L2Store
+from b12x_toolchain.runtime.snapshot import LayoutError, Snapshot, SnapshotCodec, SnapshotError
 
 
 @dataclass

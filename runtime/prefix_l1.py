@@ -19,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from b12x.runtime import prefix_keys
-from b12x.runtime.snapshot import Snapshot
+from b12x_toolchain.runtime import prefix_keys
+from b12x_toolchain.runtime.snapshot import Snapshot
 
 
 @dataclass

@@ -40,9 +40,9 @@ from typing import Callable
 
 import torch
 
-from b12x.runtime import prefix_keys, snapshot_file
-from b12x.runtime.prefix_keys import KEY_PREFIX, Identity
-from b12x.runtime.snapshot import Snapshot
+from b12x_toolchain.runtime import prefix_keys, snapshot_file
+from b12x_toolchain.runtime.prefix_keys import KEY_PREFIX, Identity
+from b12x_toolchain.runtime.snapshot import Snapshot
 
 NAME = re.compile(r"^([0-9a-f]{16})-(\d{9})-([0-9a-f]{64})\.safetensors$")
 TMP_PREFIX, TMP_SUFFIX = ".tmp-", ".partial"

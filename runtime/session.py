@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from b12x.runtime.abi import BufferSpec
-from b12x.runtime.engine import Engine
-from b12x.runtime.graph_runner import GraphRunner
-from b12x.runtime.qualify import check_fused_window
-from b12x.runtime.retarget import graph_on
-from b12x.runtime.validate import BufferError, check_buffer, validate_inputs
+from b12x_toolchain.runtime.abi import BufferSpec
+from b12x_toolchain.runtime.engine import Engine
+from b12x_toolchain.runtime.graph_runner import GraphRunner
+from b12x_toolchain.runtime.qualify import check_fused_window
+from b12x_toolchain.runtime.retarget import graph_on
+from b12x_toolchain.runtime.validate import BufferError, check_buffer, validate_inputs
 
 FUSED = torch.ops.b12x.window_snapshot_append.default
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from b12x.runtime.prefix_keys import Identity, package_identity, token_bytes, token_hash, token_ids
+from b12x_toolchain.runtime.prefix_keys import Identity, package_identity, token_bytes, token_hash, token_ids
 
 _LAYER = re.compile(r"^cache\.layer(\d+)\.(window|compressed|state|index|index_state)$")
 _DRAFT = re.compile(r"^cache\.draft(\d+)\.(window|hidden)$")

@@ -24,8 +24,8 @@ import struct
 
 import torch
 
-from b12x.runtime.prefix_keys import SNAPSHOT_SCHEMA, Identity, token_hash
-from b12x.runtime.snapshot import Snapshot
+from b12x_toolchain.runtime.prefix_keys import SNAPSHOT_SCHEMA, Identity, token_hash
+from b12x_toolchain.runtime.snapshot import Snapshot
 
 CHECKSUM_KEY = "b12x.checksum"
 META_KEY = "b12x.snapshot"

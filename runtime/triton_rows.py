@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from b12x.runtime.formats import get_format
-from b12x.runtime.triton_codecs import BF16, FP32, MXFP4, MXFP8, NVFP4, RAW, load_rows, round_trip_rows, store_rows
+from b12x_toolchain.runtime.formats import get_format
+from b12x_toolchain.runtime.triton_codecs import BF16, FP32, MXFP4, MXFP8, NVFP4, RAW, load_rows, round_trip_rows, store_rows
 
 CODES = {"mxfp8": MXFP8, "nvfp4": NVFP4, "mxfp4": MXFP4, "bf16": BF16, "fp32": FP32}
 """Triton codec of every format in `formats.FORMATS` (a test keeps the two in step)."""

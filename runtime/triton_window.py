@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from b12x.runtime.formats import get_format
-from b12x.runtime.triton_codecs import MXFP4, MXFP8, NVFP4, store_rows
-from b12x.runtime.triton_rows import CODES, tokens_per_tile, word_view
-from b12x.runtime import triton_rows
+from b12x_toolchain.runtime.formats import get_format
+from b12x_toolchain.runtime.triton_codecs import MXFP4, MXFP8, NVFP4, store_rows
+from b12x_toolchain.runtime.triton_rows import CODES, tokens_per_tile, word_view
+from b12x_toolchain.runtime import triton_rows
 
 COPY_TOKENS = 16  # ring rows per snapshot tile
 FUSABLE = {"mxfp8": MXFP8, "nvfp4": NVFP4, "mxfp4": MXFP4}

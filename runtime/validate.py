@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x.runtime.abi import BufferSpec
+from b12x_toolchain.runtime.abi import BufferSpec
 
 
 class BufferError(ValueError):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 
-from b12x.runtime.checkpoint import read_checkpoint
-from b12x.runtime.package import PackageError
+from b12x_toolchain.runtime.checkpoint import read_checkpoint
+from b12x_toolchain.runtime.package import PackageError
 
 
 def weight_inputs(passes: dict) -> dict[str, tuple[str, tuple]]:

@@ -8,9 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from b12x.exporter.abi_diff import diff_manifests
-from b12x.exporter.cli import main
-from b12x.runtime.abi import fingerprint
+from b12x_toolchain.exporter.abi_diff import diff_manifests
+from b12x_toolchain.exporter.cli import main
+from b12x_toolchain.runtime.abi import fingerprint
 
 
 @pytest.fixture(scope="module")

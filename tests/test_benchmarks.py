@@ -75,8 +75,8 @@ def test_unknown_benchmark_is_refused_before_anything_runs(tmp_path):
 def test_prefix_cache_benchmark_parts_work(tmp_path):
     """The full prefix_cache benchmark exports a 4k recipe and prefills cold for seconds, so only
     its parts are run here: the recipe variant is valid and the L2 read cases measure."""
-    from b12x.runtime.prefix_keys import Identity, token_bytes, token_hash
-    from b12x.runtime.snapshot import Snapshot
+    from b12x_toolchain.runtime.prefix_keys import Identity, token_bytes, token_hash
+    from b12x_toolchain.runtime.snapshot import Snapshot
     from benchmarks import prefix_cache
     from benchmarks.registry import REGISTRY, Settings
 
@@ -113,11 +113,11 @@ def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
     """The V4 benchmark in-process on a small fp32 variant (the runner would export dsv4-tiny
     twice): every case is a well-formed tokens/s pair, and the greedy streams agree."""
     pytest.importorskip("transformers")
-    from b12x.exporter.dims import Dims
-    from b12x.exporter.export import export_package
-    from b12x.exporter.recipe import load_recipe
-    from b12x.exporter.weights import init_weights
-    from b12x.runtime import load
+    from b12x_toolchain.exporter.dims import Dims
+    from b12x_toolchain.exporter.export import export_package
+    from b12x_toolchain.exporter.recipe import load_recipe
+    from b12x_toolchain.exporter.weights import init_weights
+    from b12x_toolchain.runtime import load
     from benchmarks import v4_reference
     from benchmarks.registry import REGISTRY, Settings
     from benchmarks.run import table

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from b12x.exporter.recipe import bundled_recipes
-from b12x.runtime.package import read_manifest
+from b12x_toolchain.exporter.recipe import bundled_recipes
+from b12x_toolchain.runtime.package import read_manifest
 
 CI = Path(__file__).resolve().parent.parent / "examples" / "ci"
 

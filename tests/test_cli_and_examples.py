@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from b12x.exporter.cli import main
+from b12x_toolchain.exporter.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from b12x.exporter.cli import main
-from b12x.runtime.engine import Engine
-from b12x.runtime.requests import Request
+from b12x_toolchain.exporter.cli import main
+from b12x_toolchain.runtime.engine import Engine
+from b12x_toolchain.runtime.requests import Request
 from conftest import random_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -109,5 +109,5 @@ def test_run_refuses_contradictory_options(fused_path):
 
 def test_the_command_line_starts_without_torch():
     # Commands import torch when they run, so `b12x --help` and usage errors answer at once.
-    code = "import sys, b12x.exporter.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, b12x_toolchain.exporter.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

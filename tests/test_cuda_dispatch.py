@@ -26,8 +26,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_every_op_of_the_set_has_a_backend():
     pytest.importorskip("triton")
-    from b12x.runtime.cuda_kernels import backend_for
-    from b12x.runtime.ops import OPS as OPSET
+    from b12x_toolchain.runtime.cuda_kernels import backend_for
+    from b12x_toolchain.runtime.ops import OPS as OPSET
 
     assert set(OPSET) == set(OPS)
     assert {name: backend_for(name, "cpu") for name in OPS} == dict.fromkeys(OPS, "reference")
@@ -39,7 +39,7 @@ def test_every_op_of_the_set_has_a_backend():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only import path")
 def test_cpu_import_registers_nothing_and_imports_no_triton():
-    proc = _run("import sys; from b12x.runtime import ops; import b12x.runtime.session;"
+    proc = _run("import sys; from b12x_toolchain.runtime import ops; import b12x_toolchain.runtime.session;"
                 "print(ops.CUDA_KERNELS, 'triton' in sys.modules, 'flashinfer' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "False", "False"]
@@ -49,7 +49,7 @@ def test_registered_cuda_kernels_leave_cpu_tensors_on_the_reference():
     pytest.importorskip("triton")
     code = r'''
 import sys, torch
-from b12x.runtime import ops, triton_rows, triton_window, cuda_kernels
+from b12x_toolchain.runtime import ops, triton_rows, triton_window, cuda_kernels
 from benchmarks.kernel_cases import window_case
 R = torch.ops.b12x
 
@@ -99,12 +99,10 @@ def test_no_runtime_module_calls_flashinfer():
     assert offenders == []
 
 
-def test_import_b12x_is_this_project():
-    # flashinfer-python 0.7.4 ships `site-packages/b12x/__init__.py`, which takes over
-    # `import b12x` (the exporter then fails on `b12x.__version__`). Installing it into
-    # the same environment breaks b12x; this names the cause when that happens.
-    import b12x
+def test_import_root_is_this_project():
+    # flashinfer-python ships a top-level `b12x` package of its own; this project's import
+    # root is `b12x_toolchain`, so the two can share an environment.
+    import b12x_toolchain
 
-    assert Path(b12x.__file__).resolve() == ROOT / "b12x" / "__init__.py", (
-        f"`import b12x` loads {b12x.__file__}, not this project; is flashinfer-python 0.7.4 installed?")
-    assert b12x.__version__
+    assert Path(b12x_toolchain.__file__).resolve() == ROOT / "b12x_toolchain" / "__init__.py"
+    assert b12x_toolchain.__version__

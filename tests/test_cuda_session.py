@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cuda
 
 
 def _prefilled(pkg, slots=4):
-    from b12x.runtime.speculative import Decoder
+    from b12x_toolchain.runtime.speculative import Decoder
 
     session = pkg.session(device="cuda", slots=slots, max_rows=4)
     gen = torch.Generator().manual_seed(7)
@@ -26,7 +26,7 @@ def _prefilled(pkg, slots=4):
 
 
 def test_dispatch_reaches_the_cuda_kernels_and_matches_the_cpu_bytes():
-    from b12x.runtime import ops
+    from b12x_toolchain.runtime import ops
 
     assert ops.CUDA_KERNELS
     case = window_case(torch.Generator().manual_seed(0), 3, 8, 512, 64)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.engine import Engine
-from b12x.runtime.requests import Request
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime.engine import Engine
+from b12x_toolchain.runtime.requests import Request
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import poison, random_tokens
 
 NEAR_TIE = 1e-5

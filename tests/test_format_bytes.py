@@ -1,7 +1,7 @@
 """Exact bytes and exact decoded floats of mxfp8, nvfp4 and mxfp4, and their error bounds.
 
 Every expected byte and float below is written out by hand from the layouts in the
-docstring of b12x.runtime.formats (the derivation is in the comment next to it), never
+docstring of b12x_toolchain.runtime.formats (the derivation is in the comment next to it), never
 produced by the encoder. Decoded floats are compared bit for bit, so the sign of a zero
 counts; NaN compares equal to NaN.
 
@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from b12x.runtime import formats
-from b12x.runtime.formats import FORMATS
+from b12x_toolchain.runtime import formats
+from b12x_toolchain.runtime.formats import FORMATS
 
 MX8 = FORMATS["mxfp8"]
 NV4 = FORMATS["nvfp4"]

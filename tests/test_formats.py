@@ -1,4 +1,4 @@
-"""Tests for the KV-cache row formats in b12x.runtime.formats.
+"""Tests for the KV-cache row formats in b12x_toolchain.runtime.formats.
 
 Expected bytes below are derived by hand (see the comments), never by calling
 the encoder.
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from b12x.runtime.formats import FORMATS, Format, check_dim, get_format
+from b12x_toolchain.runtime.formats import FORMATS, Format, check_dim, get_format
 
 MX = FORMATS["mxfp8"]
 NV = FORMATS["nvfp4"]

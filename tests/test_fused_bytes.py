@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime.speculative import Decoder
 from benchmarks.gpu_check import poisoned_step
 from conftest import random_tokens
 
@@ -60,8 +60,8 @@ def test_staging_and_persistent_bytes_identical(fused_pkg, unfused_pkg, rows):
 
 def test_window_staging_holds_snapshot_then_appended_rows(fused_pkg):
     """The staging layout is what the ops promise: history rows from the ring, then new rows."""
-    from b12x.runtime.formats import get_format
-    from b12x.runtime.layout import token_view
+    from b12x_toolchain.runtime.formats import get_format
+    from b12x_toolchain.runtime.layout import token_view
 
     session = _open(fused_pkg, 3)
     slot, pos = 0, session.seq_lens[0]

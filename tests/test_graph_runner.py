@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.graph_runner import ForeignBufferError, GraphRunner
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime.graph_runner import ForeignBufferError, GraphRunner
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import random_tokens
 
 
@@ -94,7 +94,7 @@ def test_a_bucket_the_runner_did_not_prepare_is_refused():
 
 
 def test_cuda_runner_needs_the_triton_kernels(monkeypatch):
-    from b12x.runtime import ops
+    from b12x_toolchain.runtime import ops
 
     monkeypatch.setattr(ops, "CUDA_KERNELS", False)
     with pytest.raises(RuntimeError, match="needs the Triton kernels"):

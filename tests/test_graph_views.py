@@ -8,7 +8,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from b12x.exporter.cli import main
+from b12x_toolchain.exporter.cli import main
 
 FUSED = "b12x.window_snapshot_append.default"
 

@@ -16,14 +16,14 @@ import yaml
 from click.testing import CliRunner
 
 from hf_reference import INDEX, save_tiny_checkpoint
-from b12x.exporter.cli import main
-from b12x.exporter.dims import Dims
-from b12x.exporter.hf_checkpoint import load_hf_checkpoint
-from b12x.exporter.hf_config import HfConfigError, model_fields, read_config, recipe_from_hf_config
-from b12x.exporter.hf_config_writer import hf_config_dict
-from b12x.exporter.recipe import load_recipe, parse_recipe
-from b12x.exporter.weights import weight_specs
-from b12x.runtime.checkpoint import CheckpointError
+from b12x_toolchain.exporter.cli import main
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.hf_checkpoint import load_hf_checkpoint
+from b12x_toolchain.exporter.hf_config import HfConfigError, model_fields, read_config, recipe_from_hf_config
+from b12x_toolchain.exporter.hf_config_writer import hf_config_dict
+from b12x_toolchain.exporter.recipe import load_recipe, parse_recipe
+from b12x_toolchain.exporter.weights import weight_specs
+from b12x_toolchain.runtime.checkpoint import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +320,7 @@ def test_cli_export_checkpoint_errors_are_one_line_and_write_nothing(ckpt, tmp_p
 
 
 def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tmp_path, monkeypatch):
-    import b12x.exporter.export as export_module
+    import b12x_toolchain.exporter.export as export_module
 
     seen = {}
 
@@ -344,6 +344,6 @@ def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tmp_path, monke
 
 def test_the_import_needs_no_transformers():
     # transformers is a test dependency only: the exporter reads config.json as JSON.
-    code = ("import sys, b12x.exporter.hf_checkpoint, b12x.exporter.cmd_recipe, b12x.exporter.cli;"
+    code = ("import sys, b12x_toolchain.exporter.hf_checkpoint, b12x_toolchain.exporter.cmd_recipe, b12x_toolchain.exporter.cli;"
             "sys.exit(1 if 'transformers' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {"runtime": ("b12x.exporter", "b12x.passes"), "passes": ("b12x.exporter",)}
+FORBIDDEN = {"runtime": ("b12x_toolchain.exporter", "b12x_toolchain.passes"), "passes": ("b12x_toolchain.exporter",)}
 
 
 def _imports(path: Path) -> set[str]:
@@ -31,9 +31,9 @@ def test_no_forbidden_imports_in_source():
 
 def test_loading_a_package_pulls_in_no_exporter_code(fused_path):
     code = (
-        "import sys; from b12x.runtime import load; from b12x.runtime.speculative import Decoder;"
+        "import sys; from b12x_toolchain.runtime import load; from b12x_toolchain.runtime.speculative import Decoder;"
         f"Decoder(load({str(fused_path)!r}).session(slots=1)).generate([[1, 2]], 2);"
-        "bad = sorted(m for m in sys.modules if m.startswith(('b12x.exporter', 'b12x.passes')));"
+        "bad = sorted(m for m in sys.modules if m.startswith(('b12x_toolchain.exporter', 'b12x_toolchain.passes')));"
         "print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from b12x.runtime import PackageError, load
+from b12x_toolchain.runtime import PackageError, load
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -25,7 +25,7 @@ def test_fused_and_unfused_share_the_abi_fingerprint(fused_pkg, unfused_pkg):
 
 
 def test_export_twice_in_another_process_is_byte_identical(fused_path, tmp_path):
-    subprocess.run([sys.executable, "-m", "b12x.exporter.cli", "export", "--recipe", "dsv41-tiny", "--out", str(tmp_path)],
+    subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli", "export", "--recipe", "dsv41-tiny", "--out", str(tmp_path)],
                    check=True, capture_output=True)
     again = tmp_path / "dsv41-tiny.b12x"
     first, second = _files(Path(fused_path)), _files(again)
@@ -55,7 +55,7 @@ def copy_of(fused_path, tmp_path):
 
 def _edit_manifest(root: Path, edit, resign: bool = True) -> None:
     """Edit the manifest like a deliberate tamperer would: re-computing its own digest."""
-    from b12x.exporter.package_writer import manifest_digest
+    from b12x_toolchain.exporter.package_writer import manifest_digest
 
     manifest = json.loads((root / "manifest.json").read_text())
     edit(manifest)

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from b12x.exporter.recipe import (
+from b12x_toolchain.exporter.recipe import (
     KNOWN_REWRITES,
     PASS_NAMES,
     Recipe,
@@ -61,7 +61,7 @@ def test_bundled_recipe_loads_by_name_and_by_path(name):
     assert by_name.name == name
     assert by_name.normalized() == by_path.normalized() == by_str.normalized()
     # The packaged resource is the same file as the one in the source tree.
-    assert (files("b12x.recipes") / f"{name}.yaml").read_text() == path.read_text()
+    assert (files("b12x_toolchain.recipes") / f"{name}.yaml").read_text() == path.read_text()
 
 
 def test_tiny_recipe_values():

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from b12x.exporter.cli import main
-from b12x.exporter.export import export_package
-from b12x.exporter.reexport import differences
-from b12x.runtime.checkpoint import INDEX
+from b12x_toolchain.exporter.cli import main
+from b12x_toolchain.exporter.export import export_package
+from b12x_toolchain.exporter.reexport import differences
+from b12x_toolchain.runtime.checkpoint import INDEX
 from conftest import recipe_variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def test_another_process_and_folder_give_the_same_bytes(small_structural, small_
     recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
     elsewhere = tmp_path / "another" / "place"
     elsewhere.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "b12x.exporter.cli", "export", "--recipe", str(recipe), "--weights", "none",
+    subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli", "export", "--recipe", str(recipe), "--weights", "none",
                     "--out", "other-name"], cwd=elsewhere, check=True, capture_output=True, timeout=600)
     assert differences(small_structural, elsewhere / "other-name" / "dsv41-small.b12x") == []
 

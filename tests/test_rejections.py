@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from b12x.exporter.export import ExportError, export_package
-from b12x.exporter.recipe import RecipeError
-from b12x.passes.fuse_window_snapshot import REWRITE
-from b12x.runtime import load
-from b12x.runtime.qualify import UnsupportedConfiguration
-from b12x.runtime.validate import BufferError
+from b12x_toolchain.exporter.export import ExportError, export_package
+from b12x_toolchain.exporter.recipe import RecipeError
+from b12x_toolchain.passes.fuse_window_snapshot import REWRITE
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.qualify import UnsupportedConfiguration
+from b12x_toolchain.runtime.validate import BufferError
 from conftest import recipe_variant
 
 
@@ -32,11 +32,11 @@ def test_recipe_refuses_unqualified_fusion_at_its_key(small_recipe, changes, key
 
 def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
     """Defence in depth: a graph reaching the pass with an unqualified site still fails export."""
-    from b12x.exporter.capture import capture
-    from b12x.exporter.dims import Dims
-    from b12x.exporter.pass_modules import VerifyPass
-    from b12x.exporter.weights import init_weights
-    from b12x.passes.manager import PassError, build_pipeline, run_pipeline
+    from b12x_toolchain.exporter.capture import capture
+    from b12x_toolchain.exporter.dims import Dims
+    from b12x_toolchain.exporter.pass_modules import VerifyPass
+    from b12x_toolchain.exporter.weights import init_weights
+    from b12x_toolchain.passes.manager import PassError, build_pipeline, run_pipeline
 
     recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
     dims = Dims.from_recipe(recipe)
@@ -116,7 +116,7 @@ def _caches(session):
 ])
 def test_bad_commit_inputs_are_refused_before_any_write(small_pkg, values, message):
     session = small_pkg.session(slots=2)
-    from b12x.runtime.speculative import Decoder
+    from b12x_toolchain.runtime.speculative import Decoder
     Decoder(session).prefill(0, [1, 2, 3])
     before = _caches(session)
     with pytest.raises(ValueError, match=message):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.retarget import graph_on
+from b12x_toolchain.runtime.retarget import graph_on
 
 
 def _meta_args(session, pass_name):

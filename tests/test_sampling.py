@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.exporter.export import export_package
-from b12x.runtime import load
-from b12x.runtime.engine import Engine
-from b12x.runtime.requests import Request
-from b12x.runtime.sampling import accept_sampled, draw, probabilities
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.exporter.export import export_package
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.engine import Engine
+from b12x_toolchain.runtime.requests import Request
+from b12x_toolchain.runtime.sampling import accept_sampled, draw, probabilities
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import recipe_variant
 
 VOCAB = 16

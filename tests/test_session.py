@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.formats import get_format
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime.formats import get_format
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import poison, random_tokens
 
 

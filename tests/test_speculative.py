@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import random_tokens
 
 NEAR_TIE = 1e-5

@@ -12,11 +12,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from b12x.exporter.package_writer import manifest_digest
+from b12x_toolchain.exporter.package_writer import manifest_digest
 
-from b12x.runtime import PackageError, load
-from b12x.runtime.checkpoint import INDEX
-from b12x.runtime.package import read_manifest
+from b12x_toolchain.runtime import PackageError, load
+from b12x_toolchain.runtime.checkpoint import INDEX
+from b12x_toolchain.runtime.package import read_manifest
 
 GIB = 1 << 30
 
@@ -106,11 +106,11 @@ def test_manifest_weight_list_must_match_the_pass_inputs(structural_path, tmp_pa
 @pytest.mark.slow
 def test_full_size_structural_export(tmp_path):
     """Every pass of the full-size recipe on this CPU, without 500 GB of weights, from the CLI."""
-    from b12x.exporter.dims import Dims
-    from b12x.exporter.recipe import load_recipe
-    from b12x.exporter.weights import weight_shapes
+    from b12x_toolchain.exporter.dims import Dims
+    from b12x_toolchain.exporter.recipe import load_recipe
+    from b12x_toolchain.exporter.weights import weight_shapes
 
-    proc = subprocess.run([sys.executable, "-m", "b12x.exporter.cli", "export", "--recipe", "dsv41", "--weights", "none",
+    proc = subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli", "export", "--recipe", "dsv41", "--weights", "none",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # Largest child this test process has waited for: the export, unless an earlier one was larger.

@@ -16,11 +16,11 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from b12x.runtime import ops  # noqa: E402,F401  (references)
-from b12x.runtime import triton_rows, triton_window  # noqa: E402
-from b12x.runtime.formats import get_format  # noqa: E402
-from b12x.runtime import formats  # noqa: E402
-from b12x.runtime.triton_codecs import e2m1_code, e4m3_code  # noqa: E402
+from b12x_toolchain.runtime import ops  # noqa: E402,F401  (references)
+from b12x_toolchain.runtime import triton_rows, triton_window  # noqa: E402
+from b12x_toolchain.runtime.formats import get_format  # noqa: E402
+from b12x_toolchain.runtime import formats  # noqa: E402
+from b12x_toolchain.runtime.triton_codecs import e2m1_code, e4m3_code  # noqa: E402
 from benchmarks.kernel_cases import edge_rows, kv_rows, window_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

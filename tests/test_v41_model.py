@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.exporter.dims import Dims
-from b12x.exporter.pass_modules import PASSES
-from b12x.exporter.weights import init_weights
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.pass_modules import PASSES
+from b12x_toolchain.exporter.weights import init_weights
 from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES, exported, incremental, relative_rms
 
@@ -102,7 +102,7 @@ def _buffers_touched(pkg, pass_name):
 
 
 def test_each_layer_touches_only_the_caches_its_role_owns(fused_pkg, tiny_recipe):
-    from b12x.exporter.buffers import owned_caches
+    from b12x_toolchain.exporter.buffers import owned_caches
 
     d = Dims.from_recipe(tiny_recipe)
     assert set(d.roles) == {"window", "full", "reindex", "reuse"}  # the tiny recipe has every role
@@ -133,7 +133,7 @@ def test_full_size_cache_bytes_per_token(monkeypatch):
     """V4.1-Flash: MXFP8 window rows of 528 bytes, NVFP4 entries of 288, MXFP4 index keys of
     68; long term 3 ratio-2 Full layers x 144 + one ratio-1 Full layer x 288 + index keys
     (3 x 34 + 68) = 890 bytes per token, as the published record sizes give."""
-    from b12x.exporter.recipe import load_recipe
+    from b12x_toolchain.exporter.recipe import load_recipe
 
     d = Dims.from_recipe(load_recipe("dsv41"))
     specs = {s.name: s for s in PASSES["prefill"](d).caches()}
@@ -182,7 +182,7 @@ def test_dspark_markov_bias_chains_left_to_right(tiny_recipe, weights):
 def test_low_confidence_ends_the_block_and_output_stays_greedy(fused_pkg):
     """With a threshold above every row's confidence the block ends at row 0 (no drafts);
     at 0 every row is kept. Either way the tokens are plain greedy's."""
-    from b12x.runtime.speculative import Decoder
+    from b12x_toolchain.runtime.speculative import Decoder
 
     gen = torch.Generator().manual_seed(3)
     prompts = [random_tokens(gen, 60), random_tokens(gen, 140)]

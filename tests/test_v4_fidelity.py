@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.exporter.recipe import load_recipe
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.exporter.recipe import load_recipe
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import random_tokens
 from test_speculative import assert_same_or_near_tie
-from b12x.exporter.dims import Dims
-from b12x.exporter.hf_checkpoint import load_hf_checkpoint
+from b12x_toolchain.exporter.dims import Dims
+from b12x_toolchain.exporter.hf_checkpoint import load_hf_checkpoint
 from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
 from hf_reference import reference_logits, save_tiny_checkpoint
 

@@ -11,10 +11,10 @@ import pytest
 import safetensors.torch
 from click.testing import CliRunner
 
-from b12x.exporter.cli import main
-from b12x.exporter.package_writer import manifest_digest
-from b12x.exporter.package_verify import Tolerance, VerifyError, verify_packages
-from b12x.runtime import load
+from b12x_toolchain.exporter.cli import main
+from b12x_toolchain.exporter.package_writer import manifest_digest
+from b12x_toolchain.exporter.package_verify import Tolerance, VerifyError, verify_packages
+from b12x_toolchain.runtime import load
 
 
 def _verify(*args):

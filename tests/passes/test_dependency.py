@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import b12x.runtime.ops  # noqa: F401  (registers the b12x op set)
-from b12x.passes.dependency import dependency_graph, order, tensor_args
+import b12x_toolchain.runtime.ops  # noqa: F401  (registers the b12x op set)
+from b12x_toolchain.passes.dependency import dependency_graph, order, tensor_args
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import b12x.runtime.ops  # noqa: F401  (registers the b12x op set)
-from b12x.passes.fuse_window_snapshot import FuseWindowSnapshot
-from b12x.passes.invariants import check_invariants, signature
-from b12x.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+import b12x_toolchain.runtime.ops  # noqa: F401  (registers the b12x op set)
+from b12x_toolchain.passes.fuse_window_snapshot import FuseWindowSnapshot
+from b12x_toolchain.passes.invariants import check_invariants, signature
+from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from b12x.runtime import prefix_l2  # noqa: E402
-from b12x.runtime.prefix_keys import token_bytes  # noqa: E402
-from b12x.runtime.prefix_l2 import L2Store  # noqa: E402
+from b12x_toolchain.runtime import prefix_l2  # noqa: E402
+from b12x_toolchain.runtime.prefix_keys import token_bytes  # noqa: E402
+from b12x_toolchain.runtime.prefix_l2 import L2Store  # noqa: E402
 from prefix.helpers import fake_identity, is_intact, make_snapshot  # noqa: E402
 
 IDENT = fake_identity()
@@ -101,9 +101,9 @@ def reader(directory: str, count: str, budget: str, done: str) -> None:
 def roundtrip(package: str, directory: str, request: str, out: str) -> None:
     import safetensors.torch
 
-    from b12x.runtime import load
-    from b12x.runtime.prefix_cache import PrefixCache
-    from b12x.runtime.speculative import Decoder
+    from b12x_toolchain.runtime import load
+    from b12x_toolchain.runtime.prefix_cache import PrefixCache
+    from b12x_toolchain.runtime.speculative import Decoder
     from prefix.helpers import continue_slot
 
     data = json.loads(Path(request).read_text())

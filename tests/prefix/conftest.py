@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
-from b12x.exporter.export import export_package
-from b12x.exporter.package_writer import manifest_digest, weights_bytes
-from b12x.runtime import load
-from b12x.runtime.package import Package
+from b12x_toolchain.exporter.export import export_package
+from b12x_toolchain.exporter.package_writer import manifest_digest, weights_bytes
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.package import Package
 from conftest import recipe_variant
 
 

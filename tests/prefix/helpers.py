@@ -11,8 +11,8 @@ import hashlib
 
 import torch
 
-from b12x.runtime.prefix_keys import SNAPSHOT_SCHEMA, Identity, token_bytes, token_hash
-from b12x.runtime.snapshot import Snapshot
+from b12x_toolchain.runtime.prefix_keys import SNAPSHOT_SCHEMA, Identity, token_bytes, token_hash
+from b12x_toolchain.runtime.snapshot import Snapshot
 
 RING = "cache.layer0.window"
 APPEND = "cache.layer1.compressed"

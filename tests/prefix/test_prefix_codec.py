@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.abi import BufferSpec
-from b12x.runtime.prefix_keys import token_bytes
-from b12x.runtime.prefix_l1 import L1Cache
-from b12x.runtime.prefix_l2 import L2Store
-from b12x.runtime.snapshot import (LayoutError, SnapshotCodec, SnapshotError, SnapshotMismatch, cache_layout,
+from b12x_toolchain.runtime.abi import BufferSpec
+from b12x_toolchain.runtime.prefix_keys import token_bytes
+from b12x_toolchain.runtime.prefix_l1 import L1Cache
+from b12x_toolchain.runtime.prefix_l2 import L2Store
+from b12x_toolchain.runtime.snapshot import (LayoutError, SnapshotCodec, SnapshotError, SnapshotMismatch, cache_layout,
                                    capabilities, package_layout)
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import random_tokens
 from prefix.helpers import clone, continue_slot, same
 

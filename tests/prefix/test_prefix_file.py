@@ -8,8 +8,8 @@ import pytest
 import safetensors
 import torch
 
-from b12x.runtime import snapshot_file
-from b12x.runtime.snapshot_file import ChecksumMismatch, CorruptSnapshot, IdentityMismatch, SchemaMismatch
+from b12x_toolchain.runtime import snapshot_file
+from b12x_toolchain.runtime.snapshot_file import ChecksumMismatch, CorruptSnapshot, IdentityMismatch, SchemaMismatch
 from prefix.helpers import APPEND, fake_identity, make_snapshot, same
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from b12x.exporter.cli import main
-from b12x.runtime.prefix_cache import PrefixCache
-from b12x.runtime.prefix_l2 import L2Store
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.exporter.cli import main
+from b12x_toolchain.runtime.prefix_cache import PrefixCache
+from b12x_toolchain.runtime.prefix_l2 import L2Store
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import random_tokens
 from prefix.conftest import with_capabilities, with_manifest
 

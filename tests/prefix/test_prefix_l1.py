@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from b12x.runtime import prefix_keys
-from b12x.runtime.prefix_keys import token_bytes
-from b12x.runtime.prefix_l1 import L1Cache
+from b12x_toolchain.runtime import prefix_keys
+from b12x_toolchain.runtime.prefix_keys import token_bytes
+from b12x_toolchain.runtime.prefix_l1 import L1Cache
 from prefix.helpers import fake_identity, is_intact, make_snapshot
 
 IDENT = fake_identity()

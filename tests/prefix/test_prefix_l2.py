@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from b12x.runtime import prefix_l2, snapshot_file
-from b12x.runtime.prefix_keys import token_bytes
-from b12x.runtime.prefix_l2 import L2Store, file_name
+from b12x_toolchain.runtime import prefix_l2, snapshot_file
+from b12x_toolchain.runtime.prefix_keys import token_bytes
+from b12x_toolchain.runtime.prefix_l2 import L2Store, file_name
 from prefix.helpers import fake_identity, is_intact, make_snapshot, same
 
 IDENT = fake_identity()

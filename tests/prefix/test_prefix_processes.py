@@ -12,11 +12,11 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from b12x.runtime import prefix_l2, snapshot_file
-from b12x.runtime.prefix_cache import PrefixCache
-from b12x.runtime.prefix_keys import token_bytes
-from b12x.runtime.prefix_l2 import L2Store, file_name
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime import prefix_l2, snapshot_file
+from b12x_toolchain.runtime.prefix_cache import PrefixCache
+from b12x_toolchain.runtime.prefix_keys import token_bytes
+from b12x_toolchain.runtime.prefix_l2 import L2Store, file_name
+from b12x_toolchain.runtime.speculative import Decoder
 from conftest import random_tokens
 from prefix.helpers import continue_slot, fake_identity, is_intact, make_snapshot
 

@@ -14,16 +14,16 @@ import pytest
 import torch
 import yaml
 
-from b12x.runtime import PackageError, load
-from b12x.runtime.speculative import Decoder
+from b12x_toolchain.runtime import PackageError, load
+from b12x_toolchain.runtime.speculative import Decoder
 
 # The child exports the small recipe; fsync is slowed so the kill can land mid-write,
 # and it announces each phase on stdout so the parent knows what it interrupted.
 CHILD = textwrap.dedent("""
     import os, sys, time
-    from b12x.exporter import package_writer
-    from b12x.exporter.export import export_package
-    from b12x.exporter.recipe import load_recipe
+    from b12x_toolchain.exporter import package_writer
+    from b12x_toolchain.exporter.export import export_package
+    from b12x_toolchain.exporter.recipe import load_recipe
 
     real_fsync = os.fsync
     def slow_fsync(fd):
@@ -108,8 +108,8 @@ def test_two_sessions_in_two_threads_match_sequential_runs(fused_pkg):
 
 LOADER = textwrap.dedent("""
     import json, sys
-    from b12x.runtime import load
-    from b12x.runtime.speculative import Decoder
+    from b12x_toolchain.runtime import load
+    from b12x_toolchain.runtime.speculative import Decoder
     pkg = load(sys.argv[1])
     print(json.dumps(Decoder(pkg.session(slots=1)).generate([[3, 1, 4, 1, 5]], 8)))
 """)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from b12x.exporter.package_writer import manifest_digest
-from b12x.runtime import PackageError, load
+from b12x_toolchain.exporter.package_writer import manifest_digest
+from b12x_toolchain.runtime import PackageError, load
 
 FILES = ["manifest.json", "weights.safetensors", "graphs/prefill.pt2", "graphs/verify.pt2",
          "graphs/draft.pt2", "graphs/commit.pt2"]
@@ -150,7 +150,7 @@ def test_pickle_payload_in_a_graph_never_runs(pkg, tmp_path, entry, config):
 def test_graph_calling_an_op_outside_the_op_set_is_refused(fused_pkg):
     import torch
 
-    from b12x.runtime.graph_archive import check_graph_ops
+    from b12x_toolchain.runtime.graph_archive import check_graph_ops
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

@@ -7,7 +7,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from b12x.exporter.recipe import Recipe, RecipeError, parse_recipe
+from b12x_toolchain.exporter.recipe import Recipe, RecipeError, parse_recipe
 
 TINY = (Path(__file__).resolve().parents[2] / "recipes" / "dsv41-tiny.yaml").read_text()
 ALPHABET = st.sampled_from(list("{}[]:,-&*!|>'\"#%@`\t\n 0123456789.eE+abcxyz\\\x00\x85\u2028"))

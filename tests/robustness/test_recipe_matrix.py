@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from b12x.exporter.cli import main
+from b12x_toolchain.exporter.cli import main
 
 TINY = (Path(__file__).resolve().parents[2] / "recipes" / "dsv41-tiny.yaml").read_text()
 

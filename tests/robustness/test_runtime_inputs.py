@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x.runtime.speculative import Decoder
-from b12x.runtime.validate import BufferError, InputError
+from b12x_toolchain.runtime.speculative import Decoder
+from b12x_toolchain.runtime.validate import BufferError, InputError
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ def test_bad_input_is_refused_and_caches_are_unchanged(primed, pass_name, values
 
 
 def test_positions_beyond_the_model_limit_are_refused(small_recipe, tmp_path):
-    from b12x.exporter.export import export_package
-    from b12x.runtime import load
+    from b12x_toolchain.exporter.export import export_package
+    from b12x_toolchain.runtime import load
     from conftest import recipe_variant
 
     recipe = recipe_variant(small_recipe, {"model.max_seq_len": 130})
