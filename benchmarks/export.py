@@ -42,8 +42,8 @@ BASE_LAYERS = 2
 EXPORT_SCRIPT = """
 import json, resource, sys, tempfile, time
 from pathlib import Path
-from b12x_toolchain.exporter.export import export_package
-from b12x_toolchain.exporter.recipe import load_recipe
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.loader import load_recipe
 jobs = int(sys.argv[1])
 started = time.perf_counter()
 with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +90,7 @@ def structural_export(settings: Settings) -> list:
 
 def _layers_variant(recipe, layers: int):
     """The recipe with `layers` target layers, alternating window-only and ratio-2."""
-    from b12x_toolchain.exporter.recipe import parse_recipe
+    from b12x_toolchain.exporter.recipe.loader import parse_recipe
 
     data = copy.deepcopy(recipe.normalized())
     model = data["model"]
@@ -105,10 +105,10 @@ def _layers_variant(recipe, layers: int):
 
 def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:
     """Median pipeline CPU time on fresh copies of the captured verify graph, its node count, matches."""
-    from b12x_toolchain.exporter.capture import capture
-    from b12x_toolchain.exporter.dims import Dims
-    from b12x_toolchain.exporter.pass_modules import PASSES
-    from b12x_toolchain.exporter.structural import fake_weights
+    from b12x_toolchain.exporter.pipeline.capture import capture
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from b12x_toolchain.exporter.model.pass_modules import PASSES
+    from b12x_toolchain.exporter.pipeline.structural import fake_weights
     from b12x_toolchain.passes.manager import build_pipeline, count_nodes, run_pipeline
 
     d = Dims.from_recipe(recipe)
@@ -126,7 +126,7 @@ def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:
 
 @benchmark("rewrite.scaling")
 def rewrite_scaling(settings: Settings) -> list:
-    from b12x_toolchain.exporter.recipe import load_recipe
+    from b12x_toolchain.exporter.recipe.loader import load_recipe
 
     base = load_recipe("dsv41-tiny")
     runs = {scale: _pipeline_ms(_layers_variant(base, BASE_LAYERS * scale), max(settings.repeat, 1))

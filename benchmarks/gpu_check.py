@@ -73,8 +73,10 @@ def record(name: str, ok: bool | None, detail: str) -> None:
 def kernel_bytes(device: str) -> None:
     import torch
 
-    from b12x_toolchain.runtime import triton_rows, triton_window
-    from b12x_toolchain.runtime.formats import get_format
+    from b12x_toolchain.runtime.ops import triton_rows
+
+    from b12x_toolchain.runtime.ops import triton_window
+    from b12x_toolchain.runtime.formats.codecs import get_format
     from benchmarks.kernel_cases import kv_rows, window_case
 
     R = torch.ops.b12x
@@ -159,7 +161,7 @@ def poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept
 def open_session(pkg, device: str, seed: int = 7):
     import torch
 
-    from b12x_toolchain.runtime.speculative import Decoder
+    from b12x_toolchain.runtime.serving.speculative import Decoder
 
     session = pkg.session(device=device, slots=4, max_rows=4)
     gen = torch.Generator().manual_seed(seed)
@@ -199,7 +201,7 @@ def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
     """Same cache bytes on both devices, one verify: the snapshot half of staging must agree."""
     import torch
 
-    from b12x_toolchain.runtime.layout import token_view
+    from b12x_toolchain.runtime.formats.layout import token_view
 
     cpu = cpu_pkg.session(device="cpu", slots=4, max_rows=4,
                           buffers={k: v.cpu() for k, v in gpu_session.caches.items()})
@@ -317,8 +319,8 @@ def replay_rate(fused, unfused) -> None:
 
 
 def sessions(device: str) -> None:
-    from b12x_toolchain.exporter.export import export_package
-    from b12x_toolchain.exporter.recipe import load_recipe
+    from b12x_toolchain.exporter.pipeline.export import export_package
+    from b12x_toolchain.exporter.recipe.loader import load_recipe
     from b12x_toolchain.runtime import load
 
     with tempfile.TemporaryDirectory(prefix="b12x-gpu-check-") as tmp:
@@ -359,8 +361,8 @@ def _graph_of(fn, count: int):
 def bandwidth() -> None:
     import torch
 
-    from b12x_toolchain.runtime.formats import get_format
-    from b12x_toolchain.runtime.layout import staging_shape
+    from b12x_toolchain.runtime.formats.codecs import get_format
+    from b12x_toolchain.runtime.formats.layout import staging_shape
 
     rows, width, dim, page = BANDWIDTH_ROWS, 8, 512, 64
     row_bytes = get_format("mxfp8").row_bytes(dim)
@@ -435,7 +437,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to qualify (use --device cpu for a dry run of the script)", file=sys.stderr)
         return 2
-    from b12x_toolchain.runtime import ops
+    from b12x_toolchain.runtime.ops import opset as ops
 
     if args.device == "cuda" and not ops.CUDA_KERNELS:
         print("CUDA is available but the Triton kernels are not registered: install the cuda extra", file=sys.stderr)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.runtime.formats import get_format
-from b12x_toolchain.runtime.layout import staging_shape
+from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.formats.layout import staging_shape
 
 HISTORY = 128
 # Zeros of both signs, the E4M3 limit and values around it (464 ties, 480 and above would

@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from b12x_toolchain.exporter.export import export_package
-from b12x_toolchain.exporter.recipe import load_recipe, parse_recipe
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.prefix_cache import PrefixCache
-from b12x_toolchain.runtime.prefix_keys import Identity, token_bytes, token_hash
-from b12x_toolchain.runtime.prefix_l2 import L2Store, file_name
-from b12x_toolchain.runtime.snapshot import Snapshot
-from b12x_toolchain.runtime.speculative import Decoder
+from b12x_toolchain.runtime.prefix.cache import PrefixCache
+from b12x_toolchain.runtime.prefix.keys import Identity, token_bytes, token_hash
+from b12x_toolchain.runtime.prefix.l2 import L2Store, file_name
+from b12x_toolchain.runtime.prefix.snapshot import Snapshot
+from b12x_toolchain.runtime.serving.speculative import Decoder
 
 from benchmarks.registry import Settings, benchmark, compare_timed
 

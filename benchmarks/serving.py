@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from b12x_toolchain.exporter.export import export_package
-from b12x_toolchain.exporter.recipe import load_recipe
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.engine import Engine
-from b12x_toolchain.runtime.requests import Request
+from b12x_toolchain.runtime.serving.engine import Engine
+from b12x_toolchain.runtime.serving.requests import Request
 
 from benchmarks.registry import Settings, benchmark, compare_rates
 

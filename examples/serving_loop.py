@@ -12,8 +12,8 @@ import sys
 import torch
 
 from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.engine import Engine
-from b12x_toolchain.runtime.requests import Request
+from b12x_toolchain.runtime.serving.engine import Engine
+from b12x_toolchain.runtime.serving.requests import Request
 
 
 def main(path: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx
 
 from b12x_toolchain.passes.dependency import tensor_args
-from b12x_toolchain.runtime.ops import NAMESPACE, OPS
+from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS
 
 KNOWN_OPS = set(OPS.values())
 

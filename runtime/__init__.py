@@ -1,15 +1,28 @@
-"""b12x runtime: op set, cache layouts, package reader, sessions and replay.
+"""b12x runtime: op set, cache formats, package reader, sessions, serving and prefix caches.
 
 A server imports only this package; nothing of the exporter or the passes is loaded.
+The names below are the public API; each is imported on first use, so that
+`import b12x_toolchain.runtime.formats.codecs` does not pull in torch.export machinery.
 """
 
-__all__ = ["Package", "PackageError", "load"]
+from importlib import import_module
+
+_PUBLIC = {
+    "load": "package.reader",
+    "Package": "package.reader",
+    "PackageError": "package.reader",
+    "read_manifest": "package.reader",
+    "Session": "session.session",
+    "Engine": "serving.engine",
+    "Decoder": "serving.speculative",
+    "Request": "serving.requests",
+    "RequestState": "serving.requests",
+    "PrefixCache": "prefix.cache",
+}
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name):
-    # Lazy so that `import b12x_toolchain.runtime.formats` does not pull in torch.export machinery.
-    if name in __all__:
-        from b12x_toolchain.runtime import package
-
-        return getattr(package, name)
-    raise AttributeError(f"module 'b12x_toolchain.runtime' has no attribute {name!r}")
+    if name in _PUBLIC:
+        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

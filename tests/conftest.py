@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
     # be chosen before any kernel module is imported (decoration reads it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from b12x_toolchain.exporter.export import export_package
-from b12x_toolchain.exporter.recipe import load_recipe, parse_recipe
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime import load
 
 
@@ -108,9 +108,9 @@ def random_tokens(gen: torch.Generator, count: int, vocab: int = 512) -> list[in
 @pytest.fixture(scope="session")
 def checkpoint_dir(tiny_recipe, tmp_path_factory):
     """The tiny recipe's weights as a checkpoint: safetensors shards, an index with sha256."""
-    from b12x_toolchain.exporter.checkpoint import write_checkpoint
-    from b12x_toolchain.exporter.dims import Dims
-    from b12x_toolchain.exporter.weights import init_weights
+    from b12x_toolchain.exporter.pipeline.checkpoint_index import write_checkpoint
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from b12x_toolchain.exporter.model.weights import init_weights
 
     weights = init_weights(Dims.from_recipe(tiny_recipe), tiny_recipe.model.init_seed)
     return write_checkpoint(weights, tmp_path_factory.mktemp("checkpoint"), shard_bytes=1 << 20)
@@ -120,9 +120,9 @@ def checkpoint_dir(tiny_recipe, tmp_path_factory):
 def structural_path(tiny_recipe, checkpoint_dir, tmp_path_factory):
     """The tiny recipe exported without weights (two jobs), checksums from the checkpoint's
     index; the graph after every rewrite is dumped into the sibling folder `dump`."""
-    from b12x_toolchain.exporter.checkpoint import index_checksums
-    from b12x_toolchain.exporter.dims import Dims
-    from b12x_toolchain.exporter.weights import weight_shapes
+    from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from b12x_toolchain.exporter.model.weights import weight_shapes
 
     root = tmp_path_factory.mktemp("structural")
     checksums = index_checksums(checkpoint_dir, weight_shapes(Dims.from_recipe(tiny_recipe)))

@@ -14,7 +14,7 @@ FP32_CACHES = {"cache.window_format": "fp32", "cache.compressed_format": "fp32",
 
 def exported(recipe, weights, tmp_path_factory, changes=None, name=None):
     """The recipe (or its variant with `changes`) exported with `weights`, loaded."""
-    from b12x_toolchain.exporter.export import export_package
+    from b12x_toolchain.exporter.pipeline.export import export_package
     from b12x_toolchain.runtime import load
     from conftest import recipe_variant
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {"runtime": ("b12x_toolchain.exporter", "b12x_toolchain.passes"), "passes": ("b12x_toolchain.exporter",)}
 
 
@@ -31,7 +30,7 @@ def test_no_forbidden_imports_in_source():
 
 def test_loading_a_package_pulls_in_no_exporter_code(fused_path):
     code = (
-        "import sys; from b12x_toolchain.runtime import load; from b12x_toolchain.runtime.speculative import Decoder;"
+        "import sys; from b12x_toolchain.runtime import load; from b12x_toolchain.runtime.serving.speculative import Decoder;"
         f"Decoder(load({str(fused_path)!r}).session(slots=1)).generate([[1, 2]], 2);"
         "bad = sorted(m for m in sys.modules if m.startswith(('b12x_toolchain.exporter', 'b12x_toolchain.passes')));"
         "print(bad); sys.exit(1 if bad else 0)"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import b12x_toolchain.runtime.ops  # noqa: F401  (registers the b12x op set)
-from b12x_toolchain.runtime.layout import staging_shape
+import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
+from b12x_toolchain.runtime.formats.layout import staging_shape
 
 ops = torch.ops.b12x
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import b12x_toolchain.runtime.ops  # noqa: F401  (registers the b12x op set)
+import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.dependency import dependency_graph, order, tensor_args
 
 from .layer_graphs import (  # noqa: F401

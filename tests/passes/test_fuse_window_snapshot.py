@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import b12x_toolchain.runtime.ops  # noqa: F401  (registers the b12x op set)
+import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.fuse_window_snapshot import FuseWindowSnapshot
-from b12x_toolchain.runtime.layout import staging_shape
-from b12x_toolchain.runtime.qualify import UnsupportedConfiguration
+from b12x_toolchain.runtime.formats.layout import staging_shape
+from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, ring, staging, kv, row_input, layer_inputs, export,

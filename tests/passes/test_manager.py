@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import b12x_toolchain.runtime.ops  # noqa: F401  (registers the b12x op set)
+import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.fuse_window_snapshot import FuseWindowSnapshot
 from b12x_toolchain.passes.invariants import check_invariants, signature
 from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline

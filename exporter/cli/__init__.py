@@ -1,0 +1,1 @@
+"""The `b12x` command line: one module per command group."""

@@ -1,0 +1,97 @@
+"""`b12x inspect`: what a package holds, and views of its graphs (text, Graphviz, ONNX)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from b12x_toolchain.exporter.cli.common import console, fail
+
+
+def _summary(manifest: dict) -> None:
+    console.print(f"[bold]{manifest['name']}[/]  format {manifest['format_version']}  op set {manifest['opset_version']}"
+                  f"  abi {manifest['abi_fingerprint']}", highlight=False)
+    for name, entry in manifest["passes"].items():
+        table = Table(title=f"pass {name}: width {entry['width']}, rows buckets {entry['rows_buckets']}")
+        for column in ("name", "role", "dtype", "shape"):
+            table.add_column(column)
+        for spec in entry["inputs"] + entry["outputs"]:
+            if spec["role"] != "weight":
+                table.add_row(spec["name"], spec["role"], spec["dtype"], str(spec["shape"]))
+        weights = sum(1 for s in entry["inputs"] if s["role"] == "weight")
+        table.caption = f"+ {weights} weight inputs"
+        console.print(table)
+    rewrites = Table(title=f"rewrites: {manifest['rewrites']['pipeline'] or 'none'}")
+    for column in ("pass", "rewrite", "matches", "nodes before", "nodes after"):
+        rewrites.add_column(column)
+    for pass_name, results in manifest["rewrites"]["results"].items():
+        for rewrite, r in results.items():
+            rewrites.add_row(pass_name, rewrite, str(r["matches"]), str(r["nodes_before"]), str(r["nodes_after"]))
+    console.print(rewrites)
+    if manifest["weights"].get("external"):
+        tensors = manifest["weights"]["tensors"]
+        checked = sum(1 for t in tensors.values() if "sha256" in t)
+        console.print(f"weights: external, {len(tensors)} tensors ({checked} with sha256), bound at load time",
+                      highlight=False)
+    files = Table(title="files")
+    files.add_column("file")
+    files.add_column("sha256")
+    for name, digest in manifest["files"].items():
+        files.add_row(name, digest)
+    console.print(files)
+
+
+def _write_onnx(pkg, out_dir: str) -> None:
+    import onnx
+
+    from b12x_toolchain.exporter.views.onnx_view import graph_to_onnx
+
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for name, info in pkg.passes.items():
+        model = graph_to_onnx(info.program.graph_module, info.inputs, info.outputs, name)
+        onnx.checker.check_model(model)
+        onnx.save(model, str(root / f"{name}.onnx"))
+        click.echo(f"wrote {root / f'{name}.onnx'} ({len(model.graph.node)} nodes)")
+
+
+@click.command()
+@click.argument("package", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--graph", "graph_pass", metavar="PASS", help="Print PASS's graph: one node per line, ops and shapes.")
+@click.option("--dot", "dot_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="With --graph: write the graph as Graphviz to this file ('-': standard output) instead.")
+@click.option("--onnx", "onnx_dir", type=click.Path(file_okay=False),
+              help="Write an ONNX view of every pass to DIR/PASS.onnx (b12x ops in domain b12x).")
+def inspect(package, as_json, graph_pass, dot_path, onnx_dir):
+    """Show a package's passes, calling conventions, ABI fingerprint, rewrites and files."""
+    from b12x_toolchain.runtime import PackageError, load
+
+    if dot_path is not None and graph_pass is None:
+        fail("--dot needs --graph PASS")
+    try:
+        pkg = load(package)
+    except PackageError as exc:
+        fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(pkg.manifest, indent=2, sort_keys=True))
+    elif graph_pass is not None:
+        from b12x_toolchain.exporter.views.graph_text import graph_dot, graph_text
+
+        if graph_pass not in pkg.passes:
+            fail(f"no pass {graph_pass!r}; this package has {', '.join(sorted(pkg.passes))}")
+        info = pkg.passes[graph_pass]
+        render = graph_dot if dot_path is not None else graph_text
+        text = render(info.program.graph_module, info.inputs, info.outputs, graph_pass)
+        if dot_path not in (None, "-"):
+            Path(dot_path).write_text(text)
+            click.echo(f"wrote {dot_path}")
+        else:
+            click.echo(text, nl=False)
+    elif onnx_dir is None:
+        _summary(pkg.manifest)
+    if onnx_dir is not None:
+        _write_onnx(pkg, onnx_dir)

@@ -1,0 +1,72 @@
+"""`b12x recipe`: write recipes. `from-hf` turns a Hugging Face DeepSeek V4 config.json into one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import yaml
+
+from b12x_toolchain.exporter.cli.common import fail
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _represent_list(dumper, values):
+    # Lists of numbers on one line, as the bundled recipes write them.
+    flow = all(not isinstance(v, (dict, list)) for v in values)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", values, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def recipe_text(doc: dict, config_label: str, template_name: str) -> str:
+    header = (f"# Made by `b12x recipe from-hf` from {config_label}: the model from that config,\n"
+              f"# max_seq_len, init_seed, cache, passes and rewrites from recipe {template_name}.\n")
+    return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120)
+
+
+@click.group()
+def recipe():
+    """Write export recipes."""
+
+
+@recipe.command("from-hf")
+@click.argument("config_json", type=click.Path())
+@click.option("--template", default="dsv4-tiny", show_default=True,
+              help="Recipe (bundled name or YAML path) giving max_seq_len, init_seed, cache, passes and rewrites.")
+@click.option("--name", help="Recipe name; default: the checkpoint directory's name, lower-cased.")
+@click.option("--max-seq-len", type=click.IntRange(min=1), help="Replace the template's max_seq_len.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write here instead of to stdout.")
+def from_hf(config_json, template, name, max_seq_len, out_file):
+    """Make a deepseek_v4 recipe from a Hugging Face DeepSeek V4 CONFIG_JSON (or its directory)."""
+    from b12x_toolchain.exporter.hf.config import HfConfigError, read_config, recipe_from_hf_config, recipe_name
+    from b12x_toolchain.exporter.recipe.loader import RecipeError, load_recipe, parse_recipe
+
+    path = Path(config_json)
+    label = f"{path.resolve().parent.name}/{path.name}" if not path.is_dir() else f"{path.resolve().name}/config.json"
+    try:
+        base = load_recipe(template)
+        config = read_config(path)
+    except (RecipeError, HfConfigError) as exc:
+        fail(str(exc))
+    try:
+        doc = recipe_from_hf_config(config, base, name or recipe_name(path), max_seq_len=max_seq_len)
+    except HfConfigError as exc:
+        fail(f"{config_json}: {exc}")
+    text = recipe_text(doc, label, base.name)
+    try:  # what is written must load as it is: parse it back before writing anything
+        parse_recipe(text, file=out_file or "generated recipe")
+    except RecipeError as exc:
+        fail(str(exc))
+    if out_file is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(out_file).write_text(text)
+    except OSError as exc:
+        fail(f"cannot write {out_file}: {exc.strerror or exc}")
+    click.echo(f"wrote {out_file}", err=True)

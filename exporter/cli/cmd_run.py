@@ -1,0 +1,146 @@
+"""`b12x run`: serve one or more prompts from a package on CPU and report how it went."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from b12x_toolchain.exporter.cli.common import fail
+from b12x_toolchain.exporter.cli.run_requests import Defaults, PromptError, from_ids, parse_ids, read_prompt_file
+
+STEP_COLUMNS = ("step", "rows", "padding_rows", "drafted", "accepted", "bonus", "admitted", "retired", "slot_reuse")
+
+
+def _requests(prompt_ids, prompt_files, defaults: Defaults) -> list:
+    items = [from_ids(text, f"--prompt-ids #{i + 1}", defaults) for i, text in enumerate(prompt_ids)]
+    for path in prompt_files:
+        items += read_prompt_file(Path(path), defaults)
+    return items
+
+
+def _stats_table(stats: dict, title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("stat")
+    table.add_column("value", justify="right")
+    for key, value in stats.items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    return table
+
+
+def _requests_table(states) -> Table:
+    table = Table(title="requests")
+    for name in ("id", "slot", "prompt", "new", "finish", "steps", "accepted", "first ms", "latency ms"):
+        table.add_column(name, justify="left" if name in ("id", "finish") else "right")
+    for s in states:
+        table.add_row(str(s.id), str(s.slot), str(len(s.prompt)), str(len(s.tokens)), s.finish_reason, str(s.steps),
+                      str(s.accepted), f"{s.first_token_s * 1e3:.1f}", f"{s.latency_s * 1e3:.1f}")
+    return table
+
+
+def _steps_table(steps: list[dict]) -> Table:
+    table = Table(title="steps")
+    for name in STEP_COLUMNS:
+        table.add_column(name, justify="right")
+    for step in steps:
+        table.add_row(*(str(step[name]) for name in STEP_COLUMNS))
+    return table
+
+
+@click.command()
+@click.argument("package", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt-ids", multiple=True, help="A prompt's token ids, comma or space separated; repeat for more prompts.")
+@click.option("--prompts", "prompt_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A file with one prompt per line: token ids, or JSON (a list of ids, or an object with "
+                   "prompt, max_new_tokens, stop, id, seed). Repeatable.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1),
+              help="New tokens per request, unless its JSON line sets its own.")
+@click.option("--stop", "stop_ids", multiple=True,
+              help="Stop token ids (comma separated, repeatable) for requests that set none of their own.")
+@click.option("--greedy", is_flag=True, help="Plain greedy decoding, one token per step, instead of speculative decoding.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="0 decodes greedily; above 0 samples (speculative sampling keeps the target's distribution).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed; requests may set their own.")
+@click.option("--slots", type=click.IntRange(min=1), help="Request slots [default: one per prompt, up to the largest rows bucket].")
+@click.option("--show-steps", is_flag=True, help="Also print every step's statistics.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine.")
+@click.option("--prefix-cache-dir", type=click.Path(file_okay=False),
+              help="Keep prompt snapshots here (L2, survives restarts) and in memory (L1); a later run "
+                   "with the same prompt prefix skips prefilling it.")
+@click.option("--prefix-cache-bytes", type=click.IntRange(min=0),
+              help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
+def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, show_steps,
+        threads, prefix_cache_dir, prefix_cache_bytes):
+    """Serve prompts from a package on CPU: many requests over reused slots, with a final report."""
+    from b12x_toolchain.runtime import PackageError, load
+    from b12x_toolchain.runtime.serving.engine import Engine
+    from b12x_toolchain.runtime.prefix.cache import PrefixCache
+    from b12x_toolchain.runtime.serving.requests import check_request
+    from b12x_toolchain.runtime.session.validate import InputError
+
+    if not prompt_ids and not prompt_files:
+        raise click.UsageError("give at least one prompt: --prompt-ids or --prompts")
+    if greedy and temperature > 0:
+        raise click.UsageError("--greedy decodes greedily; it cannot be combined with --temperature above 0")
+    try:
+        stop = tuple(t for text in stop_ids for t in parse_ids(text))
+        items = _requests(prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
+    except PromptError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    cache = None
+    try:
+        loaded = load(package)
+        model = loaded.manifest["model"]
+        for request, origin in items:  # before any replay, naming the line to fix
+            check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
+                          model["vocab_size"], model["max_seq_len"])
+        buckets = loaded.passes["verify"].rows_buckets
+        session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]))
+        if prefix_cache_dir is not None or prefix_cache_bytes is not None:
+            budget = (1 << 30) if prefix_cache_bytes is None else prefix_cache_bytes
+            cache = PrefixCache(loaded, l1_bytes=budget, l2_dir=prefix_cache_dir, l2_bytes=budget)
+        engine = Engine(session, speculative=not greedy, temperature=temperature, seed=seed, prefix_cache=cache)
+        states = engine.submit([request for request, _ in items])
+        steps = []
+        started = time.perf_counter()
+        # Counts tokens against every request's max_new_tokens; a stop token ends a request early.
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task(f"0/{len(states)} requests", total=sum(s.max_new_tokens for s in states))
+
+            def on_step(step: dict) -> None:
+                steps.append(step)
+                done = sum(s.max_new_tokens if s.done else len(s.tokens) for s in states)
+                progress.update(task, completed=done, description=f"{len(engine.finished)}/{len(states)} requests")
+
+            engine.run(on_step)
+        wall = time.perf_counter() - started
+    except (PackageError, InputError, ValueError, OSError) as exc:
+        fail(str(exc))
+    finally:
+        if cache is not None:
+            cache.close()  # waits for queued snapshots to reach the directory
+    for state in states:
+        click.echo(f"request {state.id} tokens: " + " ".join(map(str, state.tokens)))
+    # Piped output would otherwise be cut at 80 columns, squeezing the tables' headers.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    if show_steps:
+        console.print(_steps_table(steps))
+    mode = "plain greedy decoding" if greedy else "speculative " + ("sampling" if temperature > 0 else "decoding")
+    report = engine.stats.as_dict() | {"requests": len(states), "wall_seconds": wall,
+                                       "wall_tokens_per_second": engine.stats.generated / wall if wall else 0.0}
+    if cache is not None:
+        report |= {f"prefix {k}": v for k, v in cache.stats_dict().items()
+                   if k in ("exact_hits", "prefix_hits", "misses", "prefill_tokens_saved")}
+    console.print(_stats_table(report, mode))
+    console.print(_requests_table(states))

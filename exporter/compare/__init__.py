@@ -1,0 +1,1 @@
+"""Comparing packages: ABI diff of manifests, numeric verification by replay."""

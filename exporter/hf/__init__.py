@@ -1,0 +1,1 @@
+"""Hugging Face import: config.json to recipe, checkpoint tensors to b12x weights."""

@@ -1,0 +1,407 @@
+"""A Hugging Face DeepSeek V4 `config.json`, read as the model section of a recipe.
+
+`model_fields` maps the config's keys onto the `deepseek_v4` model fields and remembers
+which key each field came from, so both `b12x recipe from-hf` and the checkpoint import
+(which checks config.json against a recipe) can name the key at fault. The config is
+read as plain JSON: `transformers` is not needed, and nothing in it is executed.
+
+Keys are read as `transformers.DeepseekV4Config` reads them, including its legacy
+spellings (`compress_ratios`, `compress_rate_csa`, `num_hash_layers`, `qk_rope_head_dim`,
+`rope_scaling`). A value b12x's V4 model cannot reproduce is refused, naming the key;
+nothing is silently defaulted that would change the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["HfConfigError", "model_fields", "read_config", "recipe_from_hf_config", "recipe_name", "tied_embeddings"]
+
+CONFIG = "config.json"
+CONFIG_LIMIT = 4 << 20  # a real V4 config is a few KB; the cap keeps a wrong file from being parsed
+CSA, HCA, WINDOW = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+# transformers' own table for the legacy per-layer `compress_ratios`: the number picks the
+# layer kind, and the kind's rate then comes from `compress_rates`.
+LEGACY_RATIO_KINDS = {0: WINDOW, 4: CSA, 128: HCA}
+SCORING = ("sqrtsoftplus", "sigmoid", "softmax")
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# Accepted and ignored, as transformers' V4 ignores them: it fixes attention_factor at 1.0
+# (so mscale cannot matter) and reads `truncate` from a level V4 never writes it to.
+YARN_IGNORED = {"mscale", "mscale_all_dim", "truncate"}
+
+
+class HfConfigError(ValueError):
+    """config.json cannot be read, or cannot describe a b12x V4 model; the message starts with
+    the file or the key at fault."""
+
+
+def read_config(path) -> dict[str, Any]:
+    """Parse a config.json (or the one in a checkpoint directory) as a JSON object."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CONFIG
+    if not path.is_file():
+        raise HfConfigError(f"{path}: " + ("not a regular file" if path.exists() else "does not exist"))
+    if path.stat().st_size > CONFIG_LIMIT:
+        raise HfConfigError(f"{path}: larger than {CONFIG_LIMIT} bytes; not a model config")
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
+        raise HfConfigError(f"{path}: not readable as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise HfConfigError(f"{path}: top level is a {type(data).__name__}; expected a JSON object")
+    return data
+
+
+# --- typed reads, each naming its key -----------------------------------------------
+
+def _given(config: dict, key: str) -> bool:
+    return config.get(key) is not None
+
+
+def _required(config: dict, key: str, why: str = "") -> Any:
+    if not _given(config, key):
+        raise HfConfigError(f"{key}: missing from config.json{why}")
+    return config[key]
+
+
+def _int(value: Any, key: str, minimum: int = 1) -> int:
+    # bool is an int in Python; `true` is never a size.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HfConfigError(f"{key}: {value!r} is not an integer")
+    if value < minimum:
+        raise HfConfigError(f"{key}: {value} is less than {minimum}")
+    return value
+
+
+def _float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise HfConfigError(f"{key}: {value!r} is not a positive number")
+    return float(value)
+
+
+def _choice(value: Any, key: str, allowed: tuple) -> Any:
+    if value not in allowed:
+        raise HfConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+def _list(value: Any, key: str) -> list:
+    if not isinstance(value, list):
+        raise HfConfigError(f"{key}: {value!r} is not a list")
+    return value
+
+
+class _Fields:
+    """The model fields being built, each with the config key it was read from."""
+
+    def __init__(self, config: dict):
+        self.config, self.values, self.sources = config, {}, {}
+
+    def set(self, path: str, value: Any, source: str) -> Any:
+        self.values[path], self.sources[path] = value, source
+        return value
+
+    def read_int(self, path: str, key: str, minimum: int = 1) -> int:
+        return self.set(path, _int(_required(self.config, key), key, minimum), key)
+
+    def read_float(self, path: str, key: str) -> float:
+        return self.set(path, _float(_required(self.config, key), key), key)
+
+
+# --- the mapping --------------------------------------------------------------------
+
+def _unsupported(config: dict) -> None:
+    """Keys whose only value b12x's V4 model implements; absent means transformers' default, which is it."""
+    if _required(config, "model_type") != "deepseek_v4":
+        raise HfConfigError(f"model_type: {config['model_type']!r} is not 'deepseek_v4'")
+    for key, supported, why in (
+        ("num_key_value_heads", 1, "DeepSeek V4 attention shares one KV head"),
+        ("hidden_act", "silu", "the experts are SwiGLU"),
+        ("mlp_bias", False, "the shared expert has no biases"),
+    ):
+        value = config.get(key)
+        if value is not None and (value != supported or type(value) is not type(supported)):
+            raise HfConfigError(f"{key}: {config[key]!r} is not supported; b12x implements {supported!r} ({why})")
+    if _given(config, "quantization_config"):
+        raise HfConfigError("quantization_config: quantized checkpoints are not supported; b12x exports float32 "
+                            "weights, so dequantize the checkpoint to float32 first")
+
+
+def _rope_head_dim(f: _Fields, head_dim: int) -> int:
+    config = f.config
+    rope_dim = source = None
+    if _given(config, "partial_rotary_factor"):
+        factor = _float(config["partial_rotary_factor"], "partial_rotary_factor")
+        exact = head_dim * factor
+        if abs(exact - round(exact)) > 1e-6:
+            raise HfConfigError(f"partial_rotary_factor: {factor} * head_dim {head_dim} = {exact} is not a whole "
+                                "number of dimensions")
+        rope_dim, source = round(exact), "partial_rotary_factor"
+    if _given(config, "qk_rope_head_dim"):
+        legacy = _int(config["qk_rope_head_dim"], "qk_rope_head_dim")
+        if rope_dim is not None and legacy != rope_dim:
+            raise HfConfigError(f"qk_rope_head_dim: {legacy} disagrees with partial_rotary_factor * head_dim"
+                                f" = {rope_dim}")
+        rope_dim, source = legacy, source or "qk_rope_head_dim"
+    if rope_dim is None:
+        raise HfConfigError("partial_rotary_factor: missing from config.json (and no qk_rope_head_dim)")
+    return f.set("rope_head_dim", rope_dim, source)
+
+
+def _rates(f: _Fields) -> dict[str, int]:
+    config, rates = f.config, {}
+    if _given(config, "compress_rates"):
+        given = config["compress_rates"]
+        if not isinstance(given, dict):
+            raise HfConfigError(f"compress_rates: {given!r} is not an object")
+        for kind, rate in given.items():
+            _choice(kind, "compress_rates", (CSA, HCA))
+            rates[kind] = (_int(rate, f"compress_rates.{kind}"), f"compress_rates.{kind}")
+    for kind, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
+        if _given(config, legacy):  # transformers lets the legacy scalars override the dict
+            rates[kind] = (_int(config[legacy], legacy), legacy)
+    for kind, path in ((CSA, "csa_ratio"), (HCA, "hca_ratio")):
+        if kind not in rates:
+            raise HfConfigError(f"compress_rates.{kind}: missing from config.json")
+        f.set(path, *rates[kind])
+    return {WINDOW: 0, CSA: rates[CSA][0], HCA: rates[HCA][0]}
+
+
+def _compress_ratios(f: _Fields, layers: int, stages: int) -> list[int]:
+    config, rates = f.config, _rates(f)
+    if _given(config, "layer_types"):
+        kinds = _list(config["layer_types"], "layer_types")
+        if len(kinds) != layers:
+            raise HfConfigError(f"layer_types: has {len(kinds)} entries; num_hidden_layers is {layers}")
+        for i, kind in enumerate(kinds):
+            _choice(kind, f"layer_types[{i}]", (WINDOW, CSA, HCA))
+        source = "layer_types"
+    elif _given(config, "compress_ratios"):
+        legacy = _list(config["compress_ratios"], "compress_ratios")
+        if len(legacy) not in (layers, layers + stages):
+            raise HfConfigError(f"compress_ratios: has {len(legacy)} entries; expected num_hidden_layers = {layers}"
+                                f" (or {layers + stages} with the MTP stage)")
+        kinds = []
+        for i, ratio in enumerate(legacy):
+            key = f"compress_ratios[{i}]"
+            if i >= layers:  # the MTP stage's own entry: b12x's MTP stage attends its window only
+                if ratio != 0:
+                    raise HfConfigError(f"{key}: the MTP stage's entry is {ratio!r}; b12x's MTP stage is "
+                                        "window-only (0)")
+                continue
+            kinds.append(LEGACY_RATIO_KINDS[_choice(_int(ratio, key, 0), key, tuple(LEGACY_RATIO_KINDS))])
+        source = "compress_ratios"
+    else:
+        raise HfConfigError("layer_types: missing from config.json (and no legacy compress_ratios)")
+    return f.set("compress_ratios", [rates[kind] for kind in kinds] + [0] * stages, source)
+
+
+def _hash_layers(f: _Fields, layers: int) -> int:
+    config = f.config
+    if _given(config, "mlp_layer_types"):
+        kinds = _list(config["mlp_layer_types"], "mlp_layer_types")
+        if len(kinds) != layers:
+            raise HfConfigError(f"mlp_layer_types: has {len(kinds)} entries; num_hidden_layers is {layers}")
+        hashed = 0
+        for i, kind in enumerate(kinds):
+            _choice(kind, f"mlp_layer_types[{i}]", ("hash_moe", "moe"))
+            if kind == "hash_moe":
+                if hashed != i:  # the recipe has one count: hash routing in the leading layers only
+                    raise HfConfigError(f"mlp_layer_types[{i}]: hash_moe follows a moe layer; b12x supports "
+                                        "hash-routed layers only before all routed ones")
+                hashed += 1
+        return f.set("moe.hash_layers", hashed, "mlp_layer_types")
+    if _given(config, "num_hash_layers"):
+        return f.set("moe.hash_layers", min(layers, _int(config["num_hash_layers"], "num_hash_layers", 0)),
+                     "num_hash_layers")
+    raise HfConfigError("mlp_layer_types: missing from config.json (and no legacy num_hash_layers)")
+
+
+def _rope_sections(config: dict) -> tuple[dict, dict, str, str, bool]:
+    """(main, compress, main key, compress key, nested): the two RoPE parameter sets as written."""
+    for key in ("rope_parameters", "rope_scaling"):  # rope_scaling: the older name of the same flat dict
+        given = config.get(key)
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise HfConfigError(f"{key}: {given!r} is not an object")
+        if isinstance(given.get("main"), dict) and isinstance(given.get("compress"), dict):
+            return given["main"], given["compress"], f"{key}.main", f"{key}.compress", True
+        # Flat: transformers applies it to the compressed layers (the main RoPE is plain) and
+        # overwrites its rope_theta and partial_rotary_factor from the top-level keys.
+        flat = {k: v for k, v in given.items() if k not in ("main", "compress", "rope_theta", "partial_rotary_factor")}
+        return {}, flat, f"{key}.main", key, False
+    return {}, {}, "rope_parameters.main", "rope_parameters", False
+
+
+def _theta(f: _Fields, path: str, top: str, section: dict, where: str, nested: bool) -> None:
+    """A RoPE base: nested sections win in transformers, the top-level key otherwise; both must agree."""
+    config = f.config
+    if nested and "rope_theta" in section:
+        value = f.set(path, _float(section["rope_theta"], f"{where}.rope_theta"), f"{where}.rope_theta")
+        if _given(config, top) and _float(config[top], top) != value:
+            raise HfConfigError(f"{top}: {config[top]} disagrees with {where}.rope_theta = {section['rope_theta']}")
+        return
+    value = f.read_float(path, top)
+    if "rope_theta" in section and _float(section["rope_theta"], f"{where}.rope_theta") != value:
+        raise HfConfigError(f"{where}.rope_theta: {section['rope_theta']} disagrees with {top} = {config[top]}")
+
+
+def _rope(f: _Fields, head_dim: int, rope_dim: int) -> None:
+    main, compress, main_key, compress_key, nested = _rope_sections(f.config)
+    for section, where in ((main, main_key), (compress, compress_key)):
+        if section.get("partial_rotary_factor") is not None:
+            factor = _float(section["partial_rotary_factor"], f"{where}.partial_rotary_factor")
+            if abs(head_dim * factor - rope_dim) > 1e-6:
+                raise HfConfigError(f"{where}.partial_rotary_factor: {factor} * head_dim {head_dim} disagrees with "
+                                    f"rope_head_dim {rope_dim}")
+    _theta(f, "rope_theta", "rope_theta", main, main_key, nested)
+    _theta(f, "compress_rope_theta", "compress_rope_theta", compress, compress_key, nested)
+    if main.get("rope_type", main.get("type", "default")) != "default":
+        raise HfConfigError(f"{main_key}.rope_type: {main.get('rope_type', main.get('type'))!r} is not supported; "
+                            "b12x's window-only RoPE is plain ('default')")
+    _unknown(main, main_key, ROPE_KEYS)
+    kind = compress.get("rope_type", compress.get("type", "default"))
+    if kind == "default":
+        _unknown(compress, compress_key, ROPE_KEYS)
+        f.set("yarn", None, compress_key)
+        return
+    _choice(kind, f"{compress_key}.rope_type", ("default", "yarn"))
+    _unknown(compress, compress_key, ROPE_KEYS | set(YARN_KEYS) | {"attention_factor"} | YARN_IGNORED)
+    # The V4 reference never rescales cos/sin. transformers fills in attention_factor 1.0 for
+    # a flat rope_parameters only; a nested one without it gets YaRN's mscale (about 1.28).
+    factor = compress.get("attention_factor", None if nested else 1.0)
+    if factor is None or isinstance(factor, bool) or factor != 1:
+        raise HfConfigError(f"{compress_key}.attention_factor: {'missing' if factor is None else repr(factor)}; "
+                            "b12x implements DeepSeek V4's YaRN, which does not rescale cos/sin (1.0)")
+    yarn = {
+        "factor": _float(_required_in(compress, "factor", compress_key), f"{compress_key}.factor"),
+        "original_max_position_embeddings": _int(
+            _required_in(compress, "original_max_position_embeddings", compress_key),
+            f"{compress_key}.original_max_position_embeddings"),
+        # transformers reads a missing (or zero) beta as the YaRN paper's 32 and 1
+        "beta_fast": _float(compress.get("beta_fast") or 32.0, f"{compress_key}.beta_fast"),
+        "beta_slow": _float(compress.get("beta_slow") or 1.0, f"{compress_key}.beta_slow"),
+    }
+    f.set("yarn", yarn, compress_key)
+
+
+def _unknown(section: dict, where: str, allowed: set) -> None:
+    for key in section:
+        if key not in allowed:
+            raise HfConfigError(f"{where}.{key}: not a RoPE parameter b12x implements")
+
+
+def _required_in(section: dict, key: str, where: str) -> Any:
+    if section.get(key) is None:
+        raise HfConfigError(f"{where}.{key}: missing from config.json")
+    return section[key]
+
+
+def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
+    """The recipe's `deepseek_v4` model fields that config.json fixes, as dotted paths
+    (`moe.experts`), and for each path the config key it came from.
+
+    max_seq_len and init_seed are not the checkpoint's to say: they come from elsewhere.
+    """
+    _unsupported(config)
+    f = _Fields(config)
+    f.set("family", "deepseek_v4", "model_type")
+    for path, key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                      ("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads"),
+                      ("head_dim", "head_dim")):
+        f.read_int(path, key)
+    rope_dim = _rope_head_dim(f, f.values["head_dim"])
+    for key in ("q_lora_rank", "o_groups", "o_lora_rank"):
+        f.read_int(key, key)
+    stages = _int(_required(config, "num_nextn_predict_layers"), "num_nextn_predict_layers", 0)
+    if stages != 1:
+        need = ("the recipe needs one MTP draft stage, and a checkpoint without MTP weights has none to export"
+                if stages == 0 else "b12x supports exactly one MTP draft stage")
+        raise HfConfigError(f"num_nextn_predict_layers: {stages}; {need}")
+    _compress_ratios(f, f.values["num_layers"], stages)
+    f.read_int("window", "sliding_window")
+    f.read_float("rms_norm_eps", "rms_norm_eps")
+    _rope(f, f.values["head_dim"], rope_dim)
+    f.read_int("indexer.heads", "index_n_heads")
+    f.read_int("indexer.head_dim", "index_head_dim")
+    f.read_int("indexer.topk", "index_topk")
+    f.read_int("hyper_connections.mult", "hc_mult")
+    f.read_int("hyper_connections.sinkhorn_iters", "hc_sinkhorn_iters")
+    f.read_float("hyper_connections.eps", "hc_eps")
+    f.read_int("moe.experts", "n_routed_experts")
+    f.read_int("moe.experts_per_token", "num_experts_per_tok")
+    if f.read_int("moe.shared_experts", "n_shared_experts", 0) > 1:
+        raise HfConfigError(f"n_shared_experts: {config['n_shared_experts']}; b12x supports 0 or 1 shared expert")
+    f.read_int("moe.intermediate_size", "moe_intermediate_size")
+    _hash_layers(f, f.values["num_layers"])
+    f.set("moe.scoring", _choice(_required(config, "scoring_func"), "scoring_func", SCORING), "scoring_func")
+    f.read_float("moe.routed_scaling_factor", "routed_scaling_factor")
+    f.read_float("moe.swiglu_limit", "swiglu_limit")
+    f.set("draft.stages", stages, "num_nextn_predict_layers")
+    return f.values, f.sources
+
+
+def tied_embeddings(config: dict) -> bool:
+    """Whether lm_head shares the embedding matrix (then checkpoints store it once)."""
+    tied = config.get("tie_word_embeddings", False)  # transformers' default for V4
+    if not isinstance(tied, bool):
+        raise HfConfigError(f"tie_word_embeddings: {tied!r} is not true or false")
+    return tied
+
+
+# --- the recipe document ------------------------------------------------------------
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def recipe_name(config_path) -> str:
+    """A recipe name from the checkpoint directory's name: `DeepSeek-V4-Flash` -> `deepseek-v4-flash`."""
+    path = Path(config_path).resolve()
+    folder = path.parent.name if path.name == CONFIG or path.is_file() else path.name
+    name = re.sub(r"[^a-z0-9._-]+", "-", folder.lower()).strip("-._")
+    return name or "from-hf"
+
+
+def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
+                          max_seq_len: int | None = None) -> dict[str, Any]:
+    """A `deepseek_v4` recipe document (plain data, YAML-dumpable) for a DeepSeek V4 config.json.
+
+    The model comes from `config`; max_seq_len (unless given), init_seed, the cache, the
+    passes and the rewrites come from `template` (a Recipe or a recipe document; the
+    bundled dsv4-tiny by default). fuse_window_snapshot's expected matches follow the
+    new layer count: one window snapshot site per target layer in verify, none in draft.
+    """
+    from b12x_toolchain.exporter.recipe.loader import Recipe, V4ModelSpec, load_recipe
+
+    if template is None:
+        template = load_recipe("dsv4-tiny")
+    if not isinstance(template, Recipe):
+        template = Recipe.model_validate(template)
+    base = template.model_dump(mode="json")
+    flat, _ = model_fields(config)
+    model = _nest(flat)
+    model["max_seq_len"] = base["model"]["max_seq_len"] if max_seq_len is None else max_seq_len
+    model["init_seed"] = base["model"]["init_seed"]
+    ordered = {key: model[key] for key in V4ModelSpec.model_fields if key in model}  # schema order reads best
+    rewrites = copy.deepcopy(base["rewrites"])
+    for rewrite in rewrites:
+        if rewrite["name"] == "fuse_window_snapshot":
+            rewrite["expect_matches"].update(verify=flat["num_layers"], draft=0)
+    return {"recipe_version": 1, "name": name, "model": ordered, "cache": base["cache"],
+            "passes": base["passes"], "rewrites": rewrites}

@@ -1,0 +1,99 @@
+"""How a pass reads and writes caches: through staging (verify, draft) or directly (prefill).
+
+Both give the layer compute the same things — decoded window rows [R, S, D], the
+previous rows of a compressor's state ring, this pass's compressed entries as a later
+read returns them — so the layers are written once. Every cache access is a `b12x` op.
+
+A state ring keeps the raw [kv | gate] rows of the last `span - 1` committed positions at
+row `pos % span`: exactly what the next pass's first closing group can still need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from b12x_toolchain.exporter.recipe.dims import Dims
+
+ops = torch.ops.b12x
+STATE_FORMAT = "fp32"
+
+
+class StagedIO:
+    """Verify/draft: snapshot the window history into staging, append, read back.
+
+    Persistent caches are only read; what commit will make persistent goes to staging.
+    """
+
+    def __init__(self, d: Dims, caches: dict, staging: dict, row_ids, positions, pass_name: str):
+        self.d, self.caches, self.staging = d, caches, staging
+        self.row_ids, self.positions, self.pass_name = row_ids, positions, pass_name
+
+    def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        stage = self.staging[f"staging.{self.pass_name}.{owner}.window"]
+        ops.window_snapshot(self.caches[f"cache.{owner}.window"], stage, self.row_ids, self.positions,
+                            d.history, d.layout, d.page_size)
+        ops.cache_append(stage, kv, d.history, d.layout, d.page_size, d.window_format)
+        return ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
+
+    def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
+        prev = ops.gather_rows(self.caches[f"cache.{name}"], self.row_ids, _before(self.positions, span - 1),
+                               rows.shape[-1], STATE_FORMAT)
+        ops.stage_rows(self.staging[f"staging.{self.pass_name}.{name}"], rows, STATE_FORMAT)
+        return prev
+
+    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str) -> torch.Tensor:
+        stage = self.staging[f"staging.{self.pass_name}.{name}"]
+        ops.stage_rows(stage, entries, fmt)
+        return ops.read_rows(stage, entries.shape[-1], fmt)[:, : entries.shape[1]]
+
+    def rows(self, stage: str, cache: str, rows: torch.Tensor, fmt: str, last_only: bool) -> None:
+        """Per-position rows (MTP context, streams); commit picks what it keeps."""
+        ops.stage_rows(self.staging[f"staging.{self.pass_name}.{stage}"], rows, fmt)
+
+
+class DirectIO:
+    """Prefill: read history from the persistent caches, then write the valid rows there."""
+
+    def __init__(self, d: Dims, caches: dict, row_ids, positions, lengths):
+        self.d, self.caches = d, caches
+        self.row_ids, self.positions = row_ids, positions
+        self.offsets = torch.arange(d.prefill_chunk, device=positions.device)
+        self.pos = positions.long()[:, None] + self.offsets
+        self.valid = self.offsets[None, :] < lengths.long()[:, None]
+        self.end = positions.long() + lengths.long()
+
+    def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        ring = self.caches[f"cache.{owner}.window"]
+        history = ops.gather_rows(ring, self.row_ids, _before(self.positions, d.history), d.head_dim, d.window_format)
+        new = ops.round_trip(kv, d.window_format)
+        ops.write_rows(ring, kv, self.row_ids, self.pos % d.history, self.valid, d.window_format)
+        return torch.cat([history, new], dim=1)
+
+    def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
+        cache = self.caches[f"cache.{name}"]
+        prev = ops.gather_rows(cache, self.row_ids, _before(self.positions, span - 1), rows.shape[-1], STATE_FORMAT)
+        keep = self.valid & (self.pos > self.end[:, None] - span)
+        ops.write_rows(cache, rows, self.row_ids, self.pos % span, keep, STATE_FORMAT)
+        return prev
+
+    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str) -> torch.Tensor:
+        closes = ((self.pos + 1) % ratio == 0) & self.valid
+        ops.write_rows(self.caches[f"cache.{name}"], entries, self.row_ids, self.pos // ratio, closes, fmt)
+        return ops.round_trip(entries, fmt)
+
+    def rows(self, stage: str, cache: str, rows: torch.Tensor, fmt: str, last_only: bool) -> None:
+        """A ring row per position, or (last_only) one row per slot: the last position's."""
+        buffer = self.caches[f"cache.{cache}"]
+        if last_only:
+            ops.write_rows(buffer, rows, self.row_ids, torch.zeros_like(self.pos),
+                           self.valid & (self.pos == self.end[:, None] - 1), fmt)
+        else:
+            ops.write_rows(buffer, rows, self.row_ids, self.pos % buffer.shape[1], self.valid, fmt)
+
+
+def _before(positions: torch.Tensor, count: int) -> torch.Tensor:
+    """Absolute positions of the `count` rows just before each row's first position."""
+    return positions.long()[:, None] + torch.arange(-count, 0, device=positions.device)
+

@@ -1,0 +1,53 @@
+"""What every kind of draft stage has: a window ring per stage, fed by context rows that
+verify stages for each position and commit makes persistent for the accepted ones."""
+
+from __future__ import annotations
+
+import torch
+
+from b12x_toolchain.exporter.model.buffers import window_staging
+from b12x_toolchain.runtime.package.abi import BufferSpec
+
+ops = torch.ops.b12x
+
+
+class DraftStages:
+    def __init__(self, d, compute=None):
+        self.d, self.c = d, compute
+
+    def cache_specs(self):
+        d = self.d
+        return [spec for s in range(d.draft_stages) for spec in
+                [BufferSpec(f"cache.draft{s}.window", "cache", "uint8", ("slots", d.history, d.window_row_bytes))]
+                + self.stage_cache_specs(s)]
+
+    def verify_staging_specs(self):
+        d = self.d
+        return [spec for s in range(d.draft_stages) for spec in
+                [BufferSpec(f"staging.verify.draft{s}.context", "staging", "uint8",
+                            ("rows", d.verify_width, d.window_row_bytes))]
+                + self.stage_staging_specs(s)]
+
+    def draft_staging_specs(self):
+        return [window_staging(f"staging.draft.draft{s}.window", self.d, self.d.draft_width)
+                for s in range(self.d.draft_stages)]
+
+    def commit(self, caches, staging, row_ids, pos, accepted, end):
+        for s in range(self.d.draft_stages):
+            ops.write_rows(caches[f"cache.draft{s}.window"], staging[f"staging.verify.draft{s}.context"], row_ids,
+                           pos % self.d.history, accepted, "bytes")
+            self.commit_stage(s, caches, staging, row_ids, pos, accepted, end)
+
+    # -- what a kind of stage adds ------------------------------------------------------
+
+    def stage_cache_specs(self, stage: int) -> list:
+        return []
+
+    def stage_staging_specs(self, stage: int) -> list:
+        return []
+
+    def commit_stage(self, stage, caches, staging, row_ids, pos, accepted, end) -> None:
+        pass
+
+    def outputs(self) -> list:
+        return []

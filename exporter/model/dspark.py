@@ -1,0 +1,65 @@
+"""DeepSeek V4.1's DSpark draft stages.
+
+The target passes project the hidden states of `target_layer_ids` (each layer's streams,
+averaged) into `main_x`; each stage caches `RoPE(kv_norm(kv_proj(main_x)))` as window
+context for committed positions. The draft pass runs the block [anchor, noise...] through
+every stage, non-causal inside the block, then picks tokens left to right: each row's
+logits get a low-rank Markov bias from the previous row's token, and a sigmoid head gives
+each row's confidence (the runtime ends the block at the first row below the recipe's
+threshold).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from b12x_toolchain.exporter.model.cache_io import StagedIO
+from b12x_toolchain.exporter.model.draft_stages import DraftStages
+from b12x_toolchain.exporter.model.blocks import rms_norm, rope
+from b12x_toolchain.runtime.package.abi import BufferSpec
+
+ops = torch.ops.b12x
+
+
+class DSparkDrafter(DraftStages):
+    def outputs(self):
+        return [BufferSpec("confidence", "output", "float32", ("rows", self.d.draft_width))]
+
+    def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
+        d = self.d
+        main, _ = self.c.angles(pos)
+        hidden = torch.cat([taps[i].mean(dim=-2) for i in d.target_layer_ids], dim=-1)
+        main_x = rms_norm(F.linear(hidden, w["dspark.main_proj.weight"]), w["dspark.main_norm.weight"], d.eps)
+        for s in range(d.draft_stages):
+            p = f"mtp.{s}."
+            x = rms_norm(main_x, w[p + "input_layernorm.weight"], d.eps)
+            a = p + "self_attn."
+            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), *main)
+            io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
+
+    def draft(self, w, caches, staging, inputs):
+        d, c = self.d, self.c
+        row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
+        io = StagedIO(d, caches, staging, row_ids, positions, "draft")
+        pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
+        main, _ = c.angles(pos)
+        x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
+        streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
+        for s in range(d.draft_stages):
+            streams = c.layer(w, f"mtp.{s}.", streams, tokens, pos, main,
+                              lambda kv, s=s: self._window(io, f"draft{s}", kv, pos), d.draft_moe,
+                              block_from=d.history)
+        logits, h = c.logits(w, "dspark.", streams)
+        confidence = torch.sigmoid(F.linear(h, w["dspark.confidence.weight"], w["dspark.confidence.bias"]))[..., 0]
+        rows, prev = [], tokens[:, 0]
+        for j in range(d.draft_width):
+            bias = F.linear(F.embedding(prev.long(), w["dspark.markov.embed"]), w["dspark.markov.out.weight"])
+            rows.append(logits[:, j] + bias)
+            prev = rows[-1].argmax(dim=-1)
+        return {"logits": torch.stack(rows, dim=1), "confidence": confidence}
+
+    def _window(self, io, owner, kv, pos):
+        history = self.d.history
+        key_pos = torch.cat([pos[:, :1] + torch.arange(-history, 0, device=pos.device), pos], dim=1)
+        return io.window(owner, kv), key_pos

@@ -1,0 +1,95 @@
+"""DeepSeek V4's MTP draft stage: one window-only block, chained a token at a time.
+
+Its window row at position p comes from the target's streams at p - 1 and the token at
+p, so the target passes compute those rows for their own positions (prefill writes them,
+verify stages them for commit), and a slot keeps the streams of its last committed
+position for the next pass. Position 0 has no predecessor: its row is never visible.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from b12x_toolchain.exporter.model.blocks import hc_mix, rms_norm, rope
+from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
+from b12x_toolchain.exporter.model.draft_stages import DraftStages
+from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.formats.codecs import get_format
+
+ops = torch.ops.b12x
+
+
+def hidden_width(d) -> int:
+    return d.hc_mult * d.hidden
+
+
+class MtpDrafter(DraftStages):
+    """Adds per stage the streams of the slot's last committed position (one row per slot)."""
+
+    def stage_cache_specs(self, stage):
+        return [BufferSpec(f"cache.draft{stage}.hidden", "cache", "uint8",
+                           ("slots", 1, get_format(STATE_FORMAT).row_bytes(hidden_width(self.d))))]
+
+    def stage_staging_specs(self, stage):
+        return [BufferSpec(f"staging.verify.draft{stage}.hidden", "staging", "uint8",
+                           ("rows", self.d.verify_width, get_format(STATE_FORMAT).row_bytes(hidden_width(self.d))))]
+
+    def commit_stage(self, stage, caches, staging, row_ids, pos, accepted, end):
+        ops.write_rows(caches[f"cache.draft{stage}.hidden"], staging[f"staging.verify.draft{stage}.hidden"], row_ids,
+                       torch.zeros_like(pos), accepted & (pos == end - 1), "bytes")
+
+    # -- target passes ---------------------------------------------------------------------
+
+    def mtp_input(self, w, p, tokens, prev_streams):
+        d = self.d
+        e = rms_norm(F.embedding(tokens.long(), w["model.embed_tokens.weight"]), w[p + "enorm.weight"], d.eps)
+        h = rms_norm(prev_streams, w[p + "hnorm.weight"], d.eps)
+        return F.linear(e, w[p + "e_proj.weight"])[:, :, None, :] + F.linear(h, w[p + "h_proj.weight"])
+
+    def stored_streams(self, caches, row_ids, stage):
+        d = self.d
+        zero = torch.zeros(row_ids.shape[0], 1, dtype=torch.long, device=row_ids.device)
+        flat = ops.gather_rows(caches[f"cache.draft{stage}.hidden"], row_ids, zero, hidden_width(d), STATE_FORMAT)
+        return flat.view(-1, 1, d.hc_mult, d.hidden)
+
+    def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
+        """Window rows for this pass's positions (the layer's kv only) and the streams commit keeps."""
+        d = self.d
+        main, _ = self.c.angles(pos)
+        for s in range(d.draft_stages):
+            p = f"mtp.{s}."
+            prev = torch.cat([self.stored_streams(caches, row_ids, s), streams[:, :-1]], dim=1)
+            _, _, collapsed = hc_mix(w, p + "attn_hc.", self.mtp_input(w, p, tokens, prev), d.hc_iters, d.hc_eps, d.eps)
+            x = rms_norm(collapsed, w[p + "input_layernorm.weight"], d.eps)
+            a = p + "self_attn."
+            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), *main)
+            io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
+            io.rows(f"draft{s}.hidden", f"draft{s}.hidden", streams.flatten(-2), STATE_FORMAT, last_only=True)
+
+    # -- the draft pass -------------------------------------------------------------------------
+
+    def draft(self, w, caches, staging, inputs):
+        """`draft_width` single-token steps from the anchor, each feeding its argmax on."""
+        d, c = self.d, self.c
+        row_ids, positions = inputs["row_ids"], inputs["positions"]
+        stage = staging["staging.draft.draft0.window"]
+        ops.window_snapshot(caches["cache.draft0.window"], stage, row_ids, positions, d.history, d.layout, d.page_size)
+        keys = [ops.window_read(stage, d.history, d.head_dim, d.window_format)]
+        key_pos = positions.long()[:, None] + torch.arange(-d.history, 0, device=positions.device)
+        token, prev, logits = inputs["tokens"][:, :1], self.stored_streams(caches, row_ids, 0), []
+        for j in range(d.draft_width):
+            pos = positions.long()[:, None] + j
+
+            def window_keys(kv, pos=pos):
+                keys.append(ops.round_trip(kv, d.window_format))
+                return torch.cat(keys, dim=1), torch.cat([key_pos, pos], dim=1)
+
+            main, _ = c.angles(pos)
+            prev = c.layer(w, "mtp.0.", self.mtp_input(w, "mtp.0.", token, prev), token, pos, main, window_keys, d.moe,
+                           min_pos=1)
+            key_pos = torch.cat([key_pos, pos], dim=1)
+            step, _ = c.logits(w, "mtp.0.", prev)
+            logits.append(step)
+            token = step.argmax(dim=-1)
+        return {"logits": torch.cat(logits, dim=1)}

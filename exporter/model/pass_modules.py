@@ -1,0 +1,155 @@
+"""The four passes a server runs — prefill, verify, draft, commit — for DeepSeek V4 / V4.1.
+
+Each module's forward takes four dicts — weights, caches, staging, inputs — in the order
+its calling convention lists them, and returns a dict of outputs. The layer compute is
+layers.py; the draft stages (V4: MTP, V4.1: DSpark) are a drafter object.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from b12x_toolchain.exporter.model import buffers
+from b12x_toolchain.exporter.model.cache_io import DirectIO, StagedIO
+from b12x_toolchain.exporter.model.dspark import DSparkDrafter
+from b12x_toolchain.exporter.model.layers import DeepSeekCompute, Shared
+from b12x_toolchain.exporter.model.mtp import MtpDrafter
+from b12x_toolchain.runtime.package.abi import BufferSpec
+
+ops = torch.ops.b12x
+
+
+class DeepSeekPass(DeepSeekCompute):
+    name = ""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.drafter = (MtpDrafter if d.v4 else DSparkDrafter)(d, self)
+
+    def target(self, w, io, caches, tokens, pos, row_ids):
+        """All target layers; returns the logits, the final streams and each layer's streams."""
+        d = self.d
+        main, compress = self.angles(pos)
+        x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
+        streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
+        shared, taps = Shared(), {}
+        for i, ratio in enumerate(d.ratios):
+            compressed = self.compressed_keys(w, i, io, caches, row_ids, pos, shared, compress) if ratio else None
+            streams = self.layer(w, f"model.layers.{i}.", streams, tokens, pos, compress if ratio else main,
+                                 lambda kv, i=i: self.window_keys(io, f"layer{i}", kv, pos), d.moe,
+                                 compressed=compressed)
+            taps[i] = streams
+        logits, _ = self.logits(w, "model.", streams)
+        return logits, streams, taps
+
+    def window_keys(self, io, owner, kv, pos):
+        history = self.d.history
+        key_pos = torch.cat([pos[:, :1] + torch.arange(-history, 0, device=pos.device), pos], dim=1)
+        return io.window(owner, kv), key_pos
+
+    def base_inputs(self):
+        return [buffers.row_input("row_ids"), buffers.row_input("positions")]
+
+    def caches(self):
+        return buffers.cache_specs(self.d, self.drafter)
+
+    def weights(self):
+        return buffers.weight_specs(self.d)
+
+
+class PrefillPass(DeepSeekPass):
+    """A chunk of prompt tokens for each row: writes persistent caches directly."""
+
+    name = "prefill"
+
+    def convention(self):
+        d = self.d
+        inputs = (self.weights() + self.caches() + [buffers.row_input("tokens", d.prefill_chunk)]
+                  + self.base_inputs() + [buffers.row_input("lengths")])
+        return inputs, [_logits(d, d.prefill_chunk)]
+
+    def forward(self, weights, caches, staging, inputs):
+        row_ids, positions, lengths, tokens = inputs["row_ids"], inputs["positions"], inputs["lengths"], inputs["tokens"]
+        io = DirectIO(self.d, caches, row_ids, positions, lengths)
+        logits, streams, taps = self.target(weights, io, caches, tokens, io.pos, row_ids)
+        self.drafter.context(weights, io, caches, row_ids, tokens, io.pos, streams, taps)
+        ops.set_seq_len(caches["cache.seq_len"], row_ids, positions + lengths)
+        return {"logits": logits}
+
+
+class VerifyPass(DeepSeekPass):
+    """Target forward over [anchor, d1..d7]; writes only staging."""
+
+    name = "verify"
+
+    def convention(self):
+        d = self.d
+        inputs = (self.weights() + self.caches() + buffers.verify_staging_specs(d, self.drafter)
+                  + [buffers.row_input("tokens", d.verify_width)] + self.base_inputs())
+        return inputs, [_logits(d, d.verify_width)]
+
+    def forward(self, weights, caches, staging, inputs):
+        row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
+        io = StagedIO(self.d, caches, staging, row_ids, positions, "verify")
+        pos = _positions(positions, self.d.verify_width)
+        logits, streams, taps = self.target(weights, io, caches, tokens, pos, row_ids)
+        self.drafter.context(weights, io, caches, row_ids, tokens, pos, streams, taps)
+        return {"logits": logits}
+
+
+class DraftPass(DeepSeekPass):
+    name = "draft"
+
+    def convention(self):
+        d = self.d
+        inputs = (self.weights() + self.drafter.cache_specs() + self.drafter.draft_staging_specs()
+                  + [buffers.row_input("tokens", d.draft_width)] + self.base_inputs())
+        return inputs, [_logits(d, d.draft_width)] + self.drafter.outputs()
+
+    def forward(self, weights, caches, staging, inputs):
+        return self.drafter.draft(weights, caches, staging, inputs)
+
+
+class CommitPass(DeepSeekPass):
+    """Make the first accept_len verify rows of each row persistent, byte for byte."""
+
+    name = "commit"
+
+    def convention(self):
+        inputs = (self.caches() + buffers.verify_staging_specs(self.d, self.drafter)
+                  + self.base_inputs() + [buffers.row_input("accept_len")])
+        return inputs, [BufferSpec("next_positions", "output", "int32", ("rows",))]
+
+    def forward(self, weights, caches, staging, inputs):
+        d = self.d
+        row_ids, positions, accept_len = inputs["row_ids"], inputs["positions"], inputs["accept_len"]
+        width = d.verify_width
+        pos = _positions(positions, width)
+        accepted = torch.arange(width, device=pos.device)[None, :] < accept_len.long()[:, None]
+        end = (positions.long() + accept_len.long())[:, None]
+        for i, ratio in enumerate(d.ratios):
+            for name, what, rows, _ in buffers.owned_caches(d, i):
+                cache, stage = caches[f"cache.{name}"], staging[f"staging.verify.{name}"]
+                if what == "window":
+                    ops.window_commit(cache, stage, row_ids, positions, accept_len, d.history, width)
+                elif what == "entries":  # an entry becomes persistent once its group closes
+                    ops.write_rows(cache, stage, row_ids, pos // ratio, accepted & ((pos + 1) % ratio == 0), "bytes")
+                else:  # state: the last span - 1 committed rows are all a later group can read
+                    ops.write_rows(cache, stage, row_ids, pos % rows, accepted & (pos > end - rows), "bytes")
+        self.drafter.commit(caches, staging, row_ids, pos, accepted, end)
+        next_positions = (positions + accept_len).to(torch.int32)
+        ops.set_seq_len(caches["cache.seq_len"], row_ids, next_positions)
+        return {"next_positions": next_positions}
+
+
+def _positions(positions, width):
+    return positions.long()[:, None] + torch.arange(width, device=positions.device)
+
+
+def _logits(d, width):
+    return BufferSpec("logits", "output", "float32", ("rows", width, d.vocab))
+
+
+PASSES = {cls.name: cls for cls in (PrefillPass, VerifyPass, DraftPass, CommitPass)}
+PassModule = DeepSeekPass

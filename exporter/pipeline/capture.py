@@ -1,0 +1,77 @@
+"""Capture one pass with torch.export: weights, caches, staging and inputs as graph inputs.
+
+The mutated caches and staging stay plain user inputs (custom ops keep their in-place
+form before decomposition), so the graph's calling convention is exactly the buffer
+list of the pass. "rows" and "slots" are dynamic dimensions: one graph serves every rows
+bucket and every session size.
+
+Weights may be fake tensors (structural export): the example buffers are then made in
+the same fake mode, so nothing of full size is ever allocated. Stack traces are not
+recorded: they hold the exporter's source paths and line numbers, which would make the
+package bytes depend on where and from which revision the exporter runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.export import Dim
+
+from b12x_toolchain.exporter.model.pass_modules import PassModule
+from b12x_toolchain.runtime.package.abi import BufferSpec
+
+EXAMPLE_SIZES = {"rows": 2, "slots": 3}  # not 0 or 1, so export does not specialise them
+GROUPS = ("weight", "cache", "staging", "input")
+
+
+def _dims() -> dict:
+    return {"rows": Dim("rows", min=1, max=1 << 16), "slots": Dim("slots", min=2, max=1 << 20)}
+
+
+def example_tensor(spec: BufferSpec, device) -> torch.Tensor:
+    # Values never matter: export traces with fake tensors; only shape and dtype do.
+    return torch.zeros(spec.resolve(EXAMPLE_SIZES), dtype=spec.torch_dtype, device=device)
+
+
+def group_inputs(specs: list[BufferSpec]) -> tuple[dict, ...]:
+    """Split the flat convention into the four dicts forward() takes, keeping order."""
+    groups = {role: {} for role in GROUPS}
+    for spec in specs:
+        groups[spec.role][spec.name] = spec
+    return tuple(groups[role] for role in GROUPS)
+
+
+@contextmanager
+def no_stack_traces():
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
+
+
+def capture(module: PassModule, weights: dict[str, torch.Tensor], device="cpu") -> torch.export.ExportedProgram:
+    inputs, _ = module.convention()
+    dims = _dims()
+    fake = detect_fake_mode(tuple(weights.values()))
+    args, dynamic = [], []
+    for group in group_inputs(inputs):
+        values, shapes = {}, {}
+        for name, spec in group.items():
+            if spec.role == "weight":
+                values[name] = weights[name]
+            else:
+                with fake or nullcontext():
+                    values[name] = example_tensor(spec, device)
+            shapes[name] = {i: dims[d] for i, d in enumerate(spec.shape) if isinstance(d, str)} or None
+        args.append(values)
+        dynamic.append(shapes)
+    with torch.no_grad(), no_stack_traces():
+        program = torch.export.export(module, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
+    # Sample inputs are pickled into the archive; a package carries none.
+    program._example_inputs = None
+    return program

@@ -1,0 +1,146 @@
+"""recipe -> captured passes -> rewrite pipeline -> package, the exporter's one entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import b12x_toolchain
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.pipeline.package_writer import weights_bytes, write_package
+from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, run_jobs
+from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.pipeline.structural import external_weights
+from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.passes.manager import PassRecord
+from b12x_toolchain.runtime.package.abi import fingerprint
+from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
+from b12x_toolchain.runtime.package.reader import FORMAT_VERSION
+from b12x_toolchain.runtime.prefix.snapshot import capabilities as snapshot_capabilities
+
+FLASHINFER_PIN = "0.7.4"  # the `cuda` extra pins exactly this version
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    abi_fingerprint: str
+    records: dict[str, list[PassRecord]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # per pass: capture, rewrites, serialisation
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # per pass: the same in CPU time
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # per pass: of the process that exported it
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def tool_versions() -> dict:
+    return {
+        "b12x": b12x_toolchain.__version__,
+        "torch": torch.__version__,
+        "safetensors": _version("safetensors"),
+        "flashinfer_pin": FLASHINFER_PIN,
+    }
+
+
+def check_matches(recipe, pass_name: str, records: list[PassRecord]) -> None:
+    found = {r.name: r.matches for r in records}
+    for rewrite in recipe.rewrites:
+        expected = rewrite.expect_matches[pass_name]
+        if found[rewrite.name] != expected:
+            raise ExportError(
+                f"rewrite {rewrite.name} found {found[rewrite.name]} matches in the {pass_name} graph; "
+                f"the recipe expects {expected} (rewrites[].expect_matches.{pass_name})"
+            )
+
+
+def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | None = None,
+                   on_pass: Callable[[str, list[PassRecord]], None] | None = None, *,
+                   structural: bool = False, checksums: dict[str, str] | None = None,
+                   dump_dir: Path | None = None, on_capture: Callable[[str], None] | None = None,
+                   jobs: int = 1, weights_source: str | None = None) -> ExportResult:
+    """Export `recipe` as OUT_DIR/NAME.b12x.
+
+    structural: no weights in the package (they are bound from a checkpoint at load
+    time), captured on fake tensors; `checksums` (tensor name → sha256, from a checkpoint
+    index) are recorded for the runtime to check. dump_dir: the graph of every pass before
+    and after each rewrite, numbered. jobs: passes exported at once, in worker processes
+    (the bytes do not depend on it). on_capture(pass) runs when a pass starts,
+    on_pass(pass, records) when its rewrites are done. weights_source: where supplied
+    `weights` came from, recorded in the manifest (e.g. the checkpoint they were read from).
+    """
+    d = Dims.from_recipe(recipe)
+    if structural and weights is not None:
+        raise ExportError("a structural export takes no weights")
+    if weights_source is not None and weights is None:
+        raise ExportError("weights_source describes supplied weights; none were given")
+    source = (weights_source or "supplied by the caller") if weights is not None else \
+        f"random init, seed {recipe.model.init_seed}"
+    if weights is None and not structural:
+        weights = init_weights(d, recipe.model.init_seed)
+    pipeline = [r.name for r in recipe.rewrites] if fuse else []
+
+    def done(output: PassOutput) -> None:
+        if fuse:
+            check_matches(recipe, output.name, output.records)
+        if on_pass is not None:
+            on_pass(output.name, output.records)
+
+    work = [PassJob(recipe, name, pipeline, None if structural else weights, dump_dir) for name in PASSES]
+    outputs = run_jobs(work, jobs, on_start=on_capture, on_done=done)
+    files, conventions, results, passes, all_records = {}, {}, {}, {}, {}
+    for name in PASSES:  # in pass order, whatever order the jobs finished in
+        output = outputs[name]
+        files[f"graphs/{name}.pt2"] = output.graph
+        conventions[name] = {"inputs": [s.to_json() for s in output.inputs],
+                             "outputs": [s.to_json() for s in output.outputs]}
+        results[name] = {r.name: r.to_json() for r in output.records}
+        config = getattr(recipe.passes, name)
+        passes[name] = {
+            "graph": f"graphs/{name}.pt2",
+            "rows_buckets": list(config.rows_buckets),
+            "width": {"prefill": d.prefill_chunk, "draft": d.draft_width}.get(name, d.verify_width),
+            **conventions[name],
+        }
+        all_records[name] = output.records
+    if structural:
+        weights_entry = external_weights(d, checksums)
+    else:
+        files["weights.safetensors"] = weights_bytes(weights)
+        weights_entry = {"file": "weights.safetensors", "source": source}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "opset_version": OPSET_VERSION,
+        "name": recipe.name,
+        "recipe": recipe.normalized(),
+        "recipe_sha256": recipe.sha256(),
+        "model": {
+            "family": recipe.model.family,
+            "vocab_size": d.vocab,
+            "max_seq_len": d.max_seq_len,
+            "noise_token_id": d.noise_token_id,
+            "confidence_threshold": d.confidence_threshold,
+            # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.
+            "capabilities": snapshot_capabilities(PASSES["prefill"](d).caches(), d.ratios, d.max_seq_len),
+        },
+        "passes": passes,
+        "abi_fingerprint": fingerprint(conventions),
+        "rewrites": {"pipeline": pipeline, "results": results},
+        "weights": weights_entry,
+        "versions": tool_versions(),
+    }
+    path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)
+    return ExportResult(path, manifest["abi_fingerprint"], all_records, {n: o.seconds for n, o in outputs.items()},
+                        {n: o.cpu_seconds for n, o in outputs.items()}, {n: o.peak_rss_bytes for n, o in outputs.items()})

@@ -1,0 +1,113 @@
+"""Capture, rewrite and serialise one pass; several passes at once in worker processes.
+
+Passes are independent captures, each in its own fake mode and shape environment, so
+their bytes do not depend on where or in which order they run: exporting with several
+jobs gives the same package as one job. Tracing a full-size pass takes tens of seconds
+of single-threaded Python, so on a machine with two cores two jobs roughly halve a
+structural export. Workers are spawned (not forked) because torch's thread pools do not
+survive a fork, and each job carries only the recipe, so a worker needs nothing else.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from b12x_toolchain.exporter.pipeline.capture import capture
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
+from b12x_toolchain.exporter.views.pass_dump import PassDump
+from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.pipeline.structural import fake_weights
+from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x_toolchain.runtime.package.abi import BufferSpec
+
+
+@dataclass
+class PassJob:
+    recipe: object
+    name: str
+    pipeline: list[str]
+    weights: dict | None  # None: structural (fake weights, made where the pass is captured)
+    dump_dir: Path | None
+
+
+@dataclass
+class PassOutput:
+    name: str
+    graph: bytes
+    records: list[PassRecord]
+    inputs: list[BufferSpec]
+    outputs: list[BufferSpec]
+    seconds: float  # wall time: capture, rewrites, serialisation
+    cpu_seconds: float  # CPU time of the same: what a busy machine does not inflate
+    peak_rss_bytes: int  # of the process that exported the pass, up to its end
+
+
+def export_pass(job: PassJob) -> PassOutput:
+    from b12x_toolchain.exporter.pipeline.export import ExportError
+
+    started, cpu_started = time.perf_counter(), time.process_time()
+    d = Dims.from_recipe(job.recipe)
+    module = PASSES[job.name](d)
+    inputs, outputs = module.convention()
+    program = capture(module, fake_weights(d) if job.weights is None else job.weights)
+    dump = PassDump(job.dump_dir) if job.dump_dir is not None else None
+    records = []
+    try:
+        if dump is not None:
+            dump.write(job.name, 0, "captured", program.graph_module, inputs, outputs)
+        # One rewrite at a time, so the graph can be dumped after each.
+        for i, rewrite in enumerate(build_pipeline(job.pipeline), 1):
+            records += run_pipeline(program.graph_module, [rewrite], job.name)
+            if dump is not None:
+                dump.write(job.name, i, rewrite.name, program.graph_module, inputs, outputs)
+    except PassError as exc:
+        raise ExportError(str(exc)) from exc
+    graph = program_bytes(program)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return PassOutput(job.name, graph, records, inputs, outputs, time.perf_counter() - started,
+                      time.process_time() - cpu_started, peak)
+
+
+def run_jobs(jobs: list[PassJob], workers: int, on_start: Callable[[str], None] | None = None,
+             on_done: Callable[[PassOutput], None] | None = None) -> dict[str, PassOutput]:
+    """Run every job, `workers` at a time (1: in this process); results by pass name.
+
+    A job is handed to a worker only when one is free, so `on_start` fires when a pass
+    really starts. The first failure cancels what has not started and is raised.
+    """
+    results = {}
+    if workers <= 1:
+        for job in jobs:
+            if on_start is not None:
+                on_start(job.name)
+            results[job.name] = export_pass(job)
+            if on_done is not None:
+                on_done(results[job.name])
+        return results
+    pending, running = list(jobs), {}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            while pending or running:
+                while pending and len(running) < workers:
+                    job = pending.pop(0)
+                    if on_start is not None:
+                        on_start(job.name)
+                    running[pool.submit(export_pass, job)] = job.name
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    running.pop(future)
+                    output = future.result()
+                    results[output.name] = output
+                    if on_done is not None:
+                        on_done(output)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return results

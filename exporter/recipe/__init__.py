@@ -1,0 +1,1 @@
+"""Recipes: the YAML schema, its loader with line-numbered errors, derived dimensions."""

@@ -1,0 +1,1 @@
+"""Human-readable views of pass graphs: text, Graphviz, ONNX, per-pass dumps."""

@@ -1,0 +1,1 @@
+"""Cache formats (byte codecs) and cache layouts."""

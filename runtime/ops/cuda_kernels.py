@@ -1,0 +1,67 @@
+"""CUDA implementations of op set v1, registered for the CUDA dispatch key.
+
+`ops.py` imports this module only when CUDA is available, and the registrations apply
+only to CUDA tensors: CPU tensors keep dispatching to the torch references. Which backend
+serves an op is decided by the tensor's device (through the dispatcher), never by trying
+one and catching its failure.
+
+Backends:
+
+* Triton for every op that reads or writes a cache format. The references cannot be
+  captured in a CUDA graph (boolean-mask indexing syncs with the host, the decode tables
+  are built from Python lists), and the Triton kernels are bit-exact with them by
+  construction (`triton_codecs`). Each op is one launch; the fused window op is one
+  launch where the unfused pair is two.
+* The reference for `set_seq_len`: one `index_put_`, which captures as it is.
+
+FlashInfer is not called. Its pinned 0.7.4 writers do not produce these bytes: its
+`swa_mxfp8` cache writer (`deepseek_v41_quantize_cache`) uses a 2^ceil(log2(amax/448))
+scale where ours is OCP's 2^(floor(log2 amax) - 8), stores a page's data rows before all
+its scale rows rather than per-token records, requires finite inputs and SM100; its NVFP4
+appends take fp16/bf16 input (ours encode fp32) with scales in a separate tensor; and
+`append_paged_kv_cache` is an unmasked raw copy for head dims 64-512, which matches no
+masked commit and no encoded row size here (66, 528, 36, 288 or 68 bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from b12x_toolchain.runtime.ops import triton_rows
+
+
+from b12x_toolchain.runtime.ops import triton_window
+KERNELS = {
+    "window_snapshot": triton_window.window_snapshot,
+    "cache_append": triton_window.cache_append,
+    "window_snapshot_append": triton_window.window_snapshot_append,
+    "window_commit": triton_window.window_commit,
+    "window_read": triton_rows.window_read,
+    "write_rows": triton_rows.write_rows,
+    "gather_rows": triton_rows.gather_rows,
+    "stage_rows": triton_rows.stage_rows,
+    "read_rows": triton_rows.read_rows,
+    "round_trip": triton_rows.round_trip,
+}
+REFERENCE_ON_CUDA = ("set_seq_len",)  # capturable as written; see the module docstring
+
+_registered = False
+
+
+def backend_for(op_name: str, device_type: str) -> str:
+    """Which implementation serves an op of op set v1 for tensors on this device type."""
+    if op_name not in KERNELS and op_name not in REFERENCE_ON_CUDA:
+        raise ValueError(f"{op_name!r} is not an op of op set v1")
+    if device_type == "cuda" and op_name in KERNELS:
+        return "triton"
+    return "reference"
+
+
+def register() -> None:
+    """Register every Triton kernel for the CUDA dispatch key (once per process)."""
+    global _registered
+    if _registered:
+        return
+    for name, kernel in KERNELS.items():
+        torch.library.register_kernel(f"b12x::{name}", "cuda", kernel)
+    _registered = True

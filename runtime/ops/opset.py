@@ -1,0 +1,173 @@
+"""Op set v1 (namespace `b12x`): every op that reads or writes a cache.
+
+Each op is a `torch.library` custom op whose schema declares what it mutates, with a
+plain-torch reference implementation (used on CPU, and on any device until a kernel is
+registered for it) and a fake implementation so passes can be captured on the meta
+device. On a machine with CUDA, `cuda_kernels` registers Triton kernels for CUDA tensors. Ops never validate indices: the session validates every input before a replay,
+so a replay does no host work beyond the copies themselves.
+
+Window rows live in a ring addressed by absolute position (`pos % capacity`). Verify and
+draft build a staging buffer per layer: `history` rows snapshotted from the ring, then
+the rows the pass computed. Commit copies accepted staging rows back into the ring.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.formats.layout import history_offsets, ring_index, token_view
+
+OPSET_VERSION = 1
+NAMESPACE = "b12x"
+RAW_BYTES = "bytes"  # write_rows format for rows that are already encoded
+
+
+def _encode(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    return values if fmt == RAW_BYTES else get_format(fmt).encode(values)
+
+
+# ---------------------------------------------------------------- window staging ops
+
+
+@torch.library.custom_op("b12x::window_snapshot", mutates_args=("staging",))
+def window_snapshot(
+    ring: torch.Tensor, staging: torch.Tensor, row_ids: torch.Tensor, positions: torch.Tensor,
+    history: int, layout: str, page_size: int,
+) -> None:
+    """staging[r, :history] = ring[row_ids[r], positions[r]-history .. positions[r]-1]."""
+    idx = ring_index(positions, history_offsets(history, ring.device), ring.shape[1])
+    token_view(staging)[:, :history] = ring[row_ids.long()[:, None], idx]
+
+
+@torch.library.custom_op("b12x::cache_append", mutates_args=("staging",))
+def cache_append(
+    staging: torch.Tensor, kv: torch.Tensor, history: int, layout: str, page_size: int, fmt: str,
+) -> None:
+    """Encode kv [rows, width, dim] and write it into staging after the history rows."""
+    width = kv.shape[1]
+    token_view(staging)[:, history : history + width] = get_format(fmt).encode(kv)
+
+
+@torch.library.custom_op("b12x::window_snapshot_append", mutates_args=("staging",))
+def window_snapshot_append(
+    ring: torch.Tensor, staging: torch.Tensor, kv: torch.Tensor, row_ids: torch.Tensor,
+    positions: torch.Tensor, history: int, layout: str, page_size: int, fmt: str,
+) -> None:
+    """window_snapshot then cache_append in one op; byte-identical to the pair."""
+    view = token_view(staging)
+    idx = ring_index(positions, history_offsets(history, ring.device), ring.shape[1])
+    view[:, :history] = ring[row_ids.long()[:, None], idx]
+    view[:, history : history + kv.shape[1]] = get_format(fmt).encode(kv)
+
+
+@torch.library.custom_op("b12x::window_read", mutates_args=())
+def window_read(staging: torch.Tensor, tokens: int, dim: int, fmt: str) -> torch.Tensor:
+    """Decode the first `tokens` staging rows of every pass row: [rows, tokens, dim] fp32."""
+    return get_format(fmt).decode(token_view(staging)[:, :tokens], dim)
+
+
+@torch.library.custom_op("b12x::window_commit", mutates_args=("ring",))
+def window_commit(
+    ring: torch.Tensor, staging: torch.Tensor, row_ids: torch.Tensor, positions: torch.Tensor,
+    accept_len: torch.Tensor, history: int, width: int,
+) -> None:
+    """Copy the first accept_len[r] appended staging rows into the ring, byte for byte."""
+    offsets = torch.arange(width, device=ring.device)
+    keep = offsets[None, :] < accept_len.long()[:, None]
+    slots = row_ids.long()[:, None].expand_as(keep)
+    idx = ring_index(positions, offsets, ring.shape[1])
+    ring[slots[keep], idx[keep]] = token_view(staging)[:, history : history + width][keep]
+
+
+# ---------------------------------------------------------------- generic row ops
+
+
+@torch.library.custom_op("b12x::write_rows", mutates_args=("cache",))
+def write_rows(
+    cache: torch.Tensor, values: torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor,
+    valid: torch.Tensor, fmt: str,
+) -> None:
+    """cache[row_ids[r], index[r, t]] = encode(values[r, t]) where valid[r, t].
+
+    Callers guarantee the valid (slot, index) pairs are unique, so the write order does
+    not matter. fmt "bytes" copies already-encoded rows (commit from staging).
+    """
+    slots = row_ids.long()[:, None].expand_as(valid)
+    cache[slots[valid], index.long()[valid]] = _encode(values[valid], fmt)
+
+
+@torch.library.custom_op("b12x::gather_rows", mutates_args=())
+def gather_rows(
+    cache: torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor, dim: int, fmt: str,
+) -> torch.Tensor:
+    """Decode cache[row_ids[r], index[r, t] % rows]: [R, T, dim] fp32 (callers mask)."""
+    idx = torch.remainder(index.long(), cache.shape[1])
+    return get_format(fmt).decode(cache[row_ids.long()[:, None], idx], dim)
+
+
+@torch.library.custom_op("b12x::stage_rows", mutates_args=("staging",))
+def stage_rows(staging: torch.Tensor, values: torch.Tensor, fmt: str) -> None:
+    """Encode values [rows, width, dim] into a flat staging buffer [rows, width, bytes]."""
+    staging[:, : values.shape[1]] = get_format(fmt).encode(values)
+
+
+@torch.library.custom_op("b12x::read_rows", mutates_args=())
+def read_rows(staging: torch.Tensor, dim: int, fmt: str) -> torch.Tensor:
+    return get_format(fmt).decode(staging, dim)
+
+
+@torch.library.custom_op("b12x::round_trip", mutates_args=())
+def round_trip(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """decode(encode(values)): what a later read of these rows from a cache returns."""
+    return get_format(fmt).decode(get_format(fmt).encode(values), values.shape[-1])
+
+
+@torch.library.custom_op("b12x::set_seq_len", mutates_args=("seq_len",))
+def set_seq_len(seq_len: torch.Tensor, row_ids: torch.Tensor, values: torch.Tensor) -> None:
+    seq_len[row_ids.long()] = values.to(seq_len.dtype)
+
+
+# ---------------------------------------------------------------- fake implementations
+
+for _op in (window_snapshot, cache_append, window_snapshot_append, window_commit, write_rows,
+            stage_rows, set_seq_len):
+    _op.register_fake(lambda *args, **kwargs: None)
+
+
+@window_read.register_fake
+def _(staging, tokens, dim, fmt):
+    return staging.new_empty((staging.shape[0], tokens, dim), dtype=torch.float32)
+
+
+@gather_rows.register_fake
+def _(cache, row_ids, index, dim, fmt):
+    return cache.new_empty((index.shape[0], index.shape[1], dim), dtype=torch.float32)
+
+
+@read_rows.register_fake
+def _(staging, dim, fmt):
+    return staging.new_empty((staging.shape[0], staging.shape[1], dim), dtype=torch.float32)
+
+
+@round_trip.register_fake
+def _(values, fmt):
+    return torch.empty_like(values, dtype=torch.float32)
+
+
+OPS = {
+    name: getattr(torch.ops.b12x, name).default
+    for name in ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
+                 "window_commit", "write_rows", "gather_rows", "stage_rows", "read_rows",
+                 "round_trip", "set_seq_len")
+}
+"""Every op of op set v1 by name; a graph using anything else in the namespace is refused."""
+
+# Only where CUDA exists, and only for CUDA tensors: the CPU path never imports Triton.
+CUDA_KERNELS = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+if CUDA_KERNELS:
+    from b12x_toolchain.runtime.ops.cuda_kernels import register as _register_cuda_kernels
+
+    _register_cuda_kernels()

@@ -1,0 +1,1 @@
+"""Reading a package: manifest, calling conventions, graph archives, weights and checkpoints."""

@@ -1,0 +1,79 @@
+"""Which weights a package needs, and where they come from: its own file or a checkpoint.
+
+What a pass binds is fixed by its calling convention (the weight inputs, covered by the
+ABI fingerprint), so that is what every source is checked against. A full package
+stores the weights in `weights.safetensors`. A structural package stores none: its
+manifest marks them external and lists them (name, dtype, shape, and the sha256 of each
+tensor when the exporter was given a checkpoint index), and `load(path, weights=DIR)`
+binds them from a checkpoint directory. The list must equal the weight inputs: a manifest
+that asked for other tensors than the graphs take would bind the wrong thing.
+"""
+
+from __future__ import annotations
+
+import safetensors.torch
+import torch
+
+from b12x_toolchain.runtime.package.checkpoint import read_checkpoint
+from b12x_toolchain.runtime.package.reader import PackageError
+
+
+def weight_inputs(passes: dict) -> dict[str, tuple[str, tuple]]:
+    """name → (dtype, shape) of every weight input of every pass; passes must agree."""
+    specs = {}
+    for info in passes.values():
+        for spec in info.inputs:
+            if spec.role == "weight":
+                entry = (spec.dtype, tuple(spec.shape))
+                if specs.setdefault(spec.name, entry) != entry:
+                    raise PackageError(f"manifest.json: passes disagree on weight {spec.name}")
+    return specs
+
+
+def _external_list(entry: dict, expected: dict) -> dict[str, str]:
+    """Check weights.tensors against the weight inputs; returns the recorded checksums."""
+    tensors = entry.get("tensors")
+    if not isinstance(tensors, dict):
+        raise PackageError("manifest.json: weights are external but 'weights.tensors' is missing")
+    for name in sorted(set(tensors) | set(expected)):
+        listed = tensors.get(name)
+        if name not in expected:
+            raise PackageError(f"manifest.json: weights.tensors lists {name}, which no pass takes")
+        if not isinstance(listed, dict):
+            raise PackageError(f"manifest.json: weights.tensors does not list {name}, which the passes take")
+        if (listed.get("dtype"), tuple(listed.get("shape") or ())) != expected[name]:
+            raise PackageError(f"manifest.json: weights.tensors.{name} does not match the pass inputs "
+                               f"({expected[name][0]} {list(expected[name][1])})")
+    return {name: t["sha256"] for name, t in tensors.items() if t.get("sha256")}
+
+
+def _check_embedded(name: str, weights: dict[str, torch.Tensor], expected: dict) -> None:
+    for weight, (dtype, shape) in sorted(expected.items()):
+        tensor = weights.get(weight)
+        if tensor is None:
+            raise PackageError(f"{name}: does not hold weight {weight}")
+        if str(tensor.dtype).removeprefix("torch.") != dtype or tuple(tensor.shape) != shape:
+            raise PackageError(f"{name}: weight {weight} is {tensor.dtype} {list(tensor.shape)}; "
+                               f"the passes take {dtype} {list(shape)}")
+
+
+def bind_weights(manifest: dict, contents: dict[str, bytes], passes: dict, checkpoint=None):
+    """The weights a session binds, or None for a structural package loaded without a checkpoint."""
+    entry = manifest.get("weights")
+    if not isinstance(entry, dict):
+        raise PackageError("manifest.json: 'weights' is missing or not an object")
+    expected = weight_inputs(passes)
+    if entry.get("external"):
+        checksums = _external_list(entry, expected)
+        return None if checkpoint is None else read_checkpoint(checkpoint, expected, checksums)
+    if checkpoint is not None:  # a checkpoint replaces the stored weights (same names and shapes)
+        return read_checkpoint(checkpoint, expected)
+    name = entry.get("file")
+    if name not in contents:
+        raise PackageError(f"manifest.json: weights file {name!r} is not a listed file")
+    try:
+        weights = safetensors.torch.load(contents[name])
+    except Exception as exc:  # safetensors raises its own error type for malformed headers
+        raise PackageError(f"{name}: not a valid safetensors file ({exc})") from None
+    _check_embedded(name, weights, expected)
+    return weights

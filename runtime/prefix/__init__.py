@@ -1,0 +1,1 @@
+"""Prefix snapshots: codec, snapshot files, L1 memory and L2 disk caches."""

@@ -1,0 +1,536 @@
+"""L2: a directory of snapshot files that survives restarts, under a byte budget.
+
+Files: `<key16>-<length:09d>-<token sha256>.safetensors` (snapshot_file.py), so a lookup
+filters by package and token hash from names alone and opens only real candidates, then
+compares the tokens exactly. Next to them:
+
+* `.lock` — the writer holds an exclusive flock on it for as long as it lives. One writer
+  per directory; every other store on the directory (another process, or a second store
+  in this one) is a reader: it never creates, renames or deletes snapshot files. A
+  reader whose put finds the lock free becomes the writer (the old one has exited).
+  A forked child shares its parent's lock: open stores after forking workers.
+* `recency.log` — one file name per line, appended on every insert and hit, by the writer
+  and (best effort) by readers. Line order is access order, so LRU order survives a
+  restart and counts hits of every process; file mtimes would only give write order.
+  The writer folds new lines in before it evicts and compacts the log now and then.
+* `.tmp-*.partial` — a file being written. A write goes to such a file, is fsynced,
+  renamed into place and the directory fsynced, so a crash leaves either the whole file
+  or an orphaned temporary, never a partial snapshot under a real name.
+
+A writer starting up removes orphaned temporaries, verifies every file (structure and
+checksum; `scrub=False` defers that to the first read), removes what fails, and rebuilds
+its byte accounting from what is on disk. A file that fails a later read (truncated,
+flipped bit, bad header, gone between listing and reading) is a counted miss; the writer
+removes it, a reader skips it. Entries being read are pinned and never evicted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from b12x_toolchain.runtime.prefix import keys as prefix_keys
+
+from b12x_toolchain.runtime.prefix import snapshot_file
+from b12x_toolchain.runtime.prefix.keys import KEY_PREFIX, Identity
+from b12x_toolchain.runtime.prefix.snapshot import Snapshot
+
+NAME = re.compile(r"^([0-9a-f]{16})-(\d{9})-([0-9a-f]{64})\.safetensors$")
+TMP_PREFIX, TMP_SUFFIX = ".tmp-", ".partial"
+LOCK, JOURNAL = ".lock", "recency.log"
+RESCAN_SECONDS = 1.0  # a reader lists the directory again at least this often
+
+
+def file_name(snap: Snapshot) -> str:
+    return f"{snap.identity.key[:KEY_PREFIX]}-{snap.length:09d}-{snap.token_hash}.safetensors"
+
+
+def _write_chunks(fileobj, chunks) -> None:
+    for chunk in chunks:
+        fileobj.write(chunk)
+
+
+_POOL = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="b12x-l2-hash")
+    return _POOL
+
+
+def _read_into(f, view: memoryview, start: int, end: int) -> int:
+    done = start
+    while done < end:
+        n = f.readinto(view[done:end])
+        if not n:
+            break
+        done += n
+    return done - start
+
+
+def _read_file(path: Path) -> tuple[memoryview, bytes | None]:
+    """The whole file in one uninitialised buffer (zero-filling it would cost a pass), and
+    the digests of its data chunks when there are several: each is hashed on a pool thread
+    as soon as it is read, so hashing overlaps reading."""
+    chunk = snapshot_file.CHECKSUM_CHUNK
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+        done = _read_into(f, view, 0, min(size, 8))
+        start = snapshot_file.data_start(view[:done], size)
+        futures = []
+        if start is not None and size - start > chunk:
+            done += _read_into(f, view, done, start)
+            while done < size:
+                n = _read_into(f, view, done, min(size, done + chunk))
+                if not n:
+                    break
+                futures.append(_hash_pool().submit(snapshot_file.chunk_digest, view[done : done + n]))
+                done += n
+        else:
+            done += _read_into(f, view, done, size)
+    if done != size:
+        raise snapshot_file.CorruptSnapshot(f"file shrank from {size} to {done} bytes while being read")
+    return view, (b"".join(f.result() for f in futures) if futures else None)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class L2Stats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    write_errors: int = 0  # disk full, permissions: the snapshot is not stored
+    write_skipped_read_only: int = 0  # another store is the directory's writer
+    write_drops_pinned: int = 0  # no room without evicting entries being read
+    too_large: int = 0  # larger than the whole budget: not stored
+    evictions: int = 0
+    bytes_in: int = 0  # bytes written into the tier
+    bytes_out: int = 0  # bytes read out of it by hits
+    load_errors: int = 0  # malformed, truncated or vanished files
+    checksum_failures: int = 0
+    schema_rejects: int = 0  # sound files of another snapshot schema
+    identity_rejects: int = 0  # sound files of another package under a matching name prefix
+    hash_collisions: int = 0
+    orphans_removed: int = 0  # temporaries left by a writer that died mid-write
+    files_removed: int = 0  # files removed because they failed verification
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Entry:
+    key16: str
+    length: int
+    token_hash: str
+    size: int
+    pins: int = 0
+
+
+class L2Store:
+    def __init__(self, directory, max_bytes: int, scrub: bool = True):
+        if max_bytes < 0:
+            raise ValueError(f"L2 max_bytes must be >= 0, got {max_bytes}")
+        self.dir, self.max_bytes, self.scrub = Path(directory), max_bytes, scrub
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stats = L2Stats()
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._bad: set[str] = set()  # a reader's files that failed verification: skipped, not removed
+        self._tracked = 0
+        self._journal_pos = 0
+        self._journal_lines = 0
+        self._scanned_at, self._dir_mtime = 0.0, None
+        self._lock_fd = self._open_lock()
+        self.writable = False
+        if not self._try_lock():
+            self._scan()
+
+    # -- ownership and start-up ---------------------------------------------------------
+
+    def _open_lock(self) -> int | None:
+        try:
+            return os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            try:  # a read-only directory: this store can only ever read
+                return os.open(self.dir / LOCK, os.O_RDONLY)
+            except OSError:
+                return None
+
+    def _try_lock(self) -> bool:
+        if self._lock_fd is None:
+            return False
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by the writer, or a file system without flock: read only
+            return False
+        self.writable = True
+        self._recover()
+        return True
+
+    def _recover(self) -> None:
+        """Writer start-up: drop orphans and failing files, rebuild accounting and LRU order."""
+        with self._lock:
+            self._entries.clear()
+            self._tracked = 0
+            for path in self.dir.iterdir():
+                if path.name.startswith(TMP_PREFIX) and path.name.endswith(TMP_SUFFIX):
+                    self._unlink(path)
+                    self.stats.orphans_removed += 1
+            found = {}
+            for name, size in self._list().items():
+                if self.scrub:
+                    try:
+                        snapshot_file.verify(*_read_file(self.dir / name), pool=_hash_pool())
+                    except (snapshot_file.CorruptSnapshot, snapshot_file.SchemaMismatch, OSError) as exc:
+                        self._count_failure(exc)
+                        self._unlink(self.dir / name)
+                        self.stats.files_removed += 1
+                        continue
+                found[name] = size
+            order = self._journal_order(found)
+            for name in order:
+                self._add(name, found[name])
+            self._compact_journal()
+            if self._tracked > self.max_bytes:  # the budget shrank since the last run
+                self._make_room(0)
+            _fsync_dir(self.dir)
+
+    def _list(self) -> dict[str, int]:
+        out = {}
+        for entry in os.scandir(self.dir):
+            if NAME.match(entry.name):
+                try:
+                    out[entry.name] = entry.stat().st_size
+                except FileNotFoundError:
+                    pass
+        return out
+
+    def _scan(self, force: bool = False) -> bool:
+        """A reader's view of the directory: which files exist, nothing verified yet.
+
+        The directory's mtime says when to list it again, but it ticks coarsely (two renames
+        can share one value), so a reader also lists again before it answers a miss.
+        Returns whether the listing changed.
+        """
+        try:
+            mtime = os.stat(self.dir).st_mtime_ns
+        except FileNotFoundError:
+            return False
+        now = time.monotonic()
+        if not force and mtime == self._dir_mtime and now - self._scanned_at < RESCAN_SECONDS:
+            return False
+        self._dir_mtime, self._scanned_at = mtime, now
+        found = self._list()
+        with self._lock:
+            if found.keys() == self._entries.keys():
+                return False
+            self._bad &= set(found)
+            for name in [n for n in self._entries if n not in found]:
+                self._drop(name)
+            for name in self._journal_order({n: s for n, s in found.items() if n not in self._entries}):
+                self._add(name, found[name])
+        return True
+
+    # -- recency journal ----------------------------------------------------------------
+
+    def _journal_order(self, found: dict[str, int]) -> list[str]:
+        """Names of `found` least recently used first: unmentioned ones first (by name),
+        then by their last line in the journal."""
+        last = {}
+        try:
+            with open(self.dir / JOURNAL, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        self._journal_pos = len(data)
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines[:-1]):  # a torn last line is ignored
+            name = line.decode("ascii", "replace")
+            if name in found:
+                last[name] = i
+        self._journal_lines = len(lines) - 1
+        return sorted((n for n in found if n not in last)) + sorted(last, key=last.get)
+
+    def _ingest_journal(self) -> None:
+        """Writer: fold in accesses appended since the last look (readers' hits)."""
+        try:
+            with open(self.dir / JOURNAL, "rb") as f:
+                f.seek(self._journal_pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self._journal_pos += end
+        for line in data[:end].split(b"\n")[:-1]:
+            name = line.decode("ascii", "replace")
+            self._journal_lines += 1
+            if name in self._entries:
+                self._entries.move_to_end(name)
+
+    def _append_journal(self, name: str) -> None:
+        try:
+            fd = os.open(self.dir / JOURNAL, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if self.writable else 0), 0o644)
+        except OSError:
+            return  # recency is advice: a reader on a read-only directory just does not record it
+        try:
+            os.write(fd, name.encode() + b"\n")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        if self.writable:
+            self._journal_lines += 1
+            if self._journal_lines > max(1024, 4 * len(self._entries)):
+                self._ingest_journal()
+                self._compact_journal()
+
+    def _compact_journal(self) -> None:
+        tmp = self.dir / f"{TMP_PREFIX}journal-{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(b"".join(n.encode() + b"\n" for n in self._entries))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / JOURNAL)
+        except OSError:
+            self._unlink(tmp)
+            return
+        self._journal_pos = os.stat(self.dir / JOURNAL).st_size
+        self._journal_lines = len(self._entries)
+
+    # -- index --------------------------------------------------------------------------
+
+    def _add(self, name: str, size: int) -> None:
+        m = NAME.match(name)
+        self._entries[name] = _Entry(m.group(1), int(m.group(2)), m.group(3), size)
+        self._tracked += size
+
+    def _drop(self, name: str) -> None:
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            self._tracked -= entry.size
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def tracked_bytes(self) -> int:
+        return self._tracked
+
+    def disk_bytes(self) -> int:
+        """Bytes of the snapshot files on disk now (the journal and lock file are not counted)."""
+        return sum(self._list().values())
+
+    def names(self) -> list[str]:
+        """Stored file names, least recently used first."""
+        with self._lock:
+            if self.writable:
+                self._ingest_journal()
+            return list(self._entries)
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def _count_failure(self, exc: Exception) -> None:
+        if isinstance(exc, snapshot_file.ChecksumMismatch):
+            self.stats.checksum_failures += 1
+        elif isinstance(exc, snapshot_file.SchemaMismatch):
+            self.stats.schema_rejects += 1
+        else:
+            self.stats.load_errors += 1
+
+    def _reject(self, name: str, exc: Exception) -> None:
+        """A file failed to load: the writer removes it, a reader remembers to skip it."""
+        with self._lock:
+            self._count_failure(exc)
+            if isinstance(exc, FileNotFoundError):
+                self._drop(name)
+            elif self.writable:
+                if name in self._entries:
+                    self._drop(name)
+                    self._unlink(self.dir / name)
+                    self.stats.files_removed += 1
+            else:
+                self._bad.add(name)
+
+    def _load(self, name: str, identity: Identity) -> Snapshot | None:
+        try:
+            buf, digests = _read_file(self.dir / name)
+            snap = snapshot_file.decode(buf, identity, digests, _hash_pool())
+        except snapshot_file.IdentityMismatch:
+            with self._lock:
+                self.stats.identity_rejects += 1
+                self._bad.add(name)
+            return None
+        except (snapshot_file.CorruptSnapshot, snapshot_file.SchemaMismatch, OSError) as exc:
+            self._reject(name, exc)
+            return None
+        with self._lock:
+            self.stats.bytes_out += len(buf)
+        return snap
+
+    def lookup(self, identity: Identity, prompt: bytes,
+               usable: Callable[[int], bool] = lambda n: True) -> Snapshot | None:
+        """Longest stored snapshot of `identity` whose tokens start `prompt` (lengths `usable` accepts)."""
+        if not self.writable:
+            self._scan()
+        snap = self._lookup(identity, prompt, usable)
+        if snap is None and not self.writable and self._scan(force=True):
+            snap = self._lookup(identity, prompt, usable)  # the writer added files since the last listing
+        with self._lock:
+            self.stats.lookups += 1
+            if snap is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+        return snap
+
+    def _lookup(self, identity: Identity, prompt: bytes, usable) -> Snapshot | None:
+        key16 = identity.key[:KEY_PREFIX]
+        with self._lock:
+            candidates = {}
+            for name, e in self._entries.items():
+                if e.key16 == key16 and 4 * e.length <= len(prompt) and name not in self._bad and usable(e.length):
+                    candidates.setdefault(e.length, []).append((name, e.token_hash))
+        hashes = prefix_keys.prefix_hashes(identity.key, prompt, candidates) if candidates else {}
+        for length in sorted(candidates, reverse=True):
+            for name, hashed in candidates[length]:
+                if hashed != hashes[length] or not self._pin(name):
+                    continue
+                try:
+                    snap = self._load(name, identity)
+                finally:
+                    self._unpin(name)
+                if snap is None:
+                    continue
+                if snap.tokens != prompt[: 4 * length]:
+                    with self._lock:
+                        self.stats.hash_collisions += 1
+                    continue
+                with self._lock:
+                    if name in self._entries:
+                        self._entries.move_to_end(name)
+                self._append_journal(name)
+                return snap
+        return None
+
+    def _pin(self, name: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return False
+            entry.pins += 1
+            return True
+
+    def _unpin(self, name: str) -> None:
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None:
+                entry.pins -= 1
+
+    # -- insert and evict ---------------------------------------------------------------
+
+    def _make_room(self, size: int) -> bool:
+        """Evict least recently used, unpinned entries until `size` more bytes fit."""
+        self._ingest_journal()
+        if self._tracked + size <= self.max_bytes:
+            return True
+        victims, freed = [], 0
+        for name, entry in self._entries.items():
+            if self._tracked - freed + size <= self.max_bytes:
+                break
+            if entry.pins == 0:
+                victims.append(name)
+                freed += entry.size
+        if self._tracked - freed + size > self.max_bytes:
+            return False
+        for name in victims:
+            self._drop(name)
+            self._unlink(self.dir / name)
+            self.stats.evictions += 1
+        return True
+
+    def put(self, snap: Snapshot) -> bool:
+        """Store `snap` durably; False (counted) when it is not stored."""
+        if not self.writable and not self._try_lock():
+            with self._lock:
+                self.stats.write_skipped_read_only += 1
+            return False
+        name = file_name(snap)
+        with self._lock:
+            if name in self._entries:
+                self._entries.move_to_end(name)
+                self._append_journal(name)
+                return True
+        chunks, size = snapshot_file.encode(snap)
+        if size > self.max_bytes:
+            with self._lock:
+                self.stats.too_large += 1
+            return False
+        tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                _write_chunks(f, chunks)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            self._unlink(tmp)
+            with self._lock:
+                self.stats.write_errors += 1
+            return False
+        with self._lock:
+            if name in self._entries:  # another thread stored the same snapshot meanwhile
+                self._unlink(tmp)
+                return True
+            if not self._make_room(size):
+                self._unlink(tmp)
+                self.stats.write_drops_pinned += 1
+                return False
+            try:
+                os.replace(tmp, self.dir / name)
+                _fsync_dir(self.dir)
+            except OSError:
+                self._unlink(tmp)
+                self.stats.write_errors += 1
+                return False
+            self._add(name, size)
+            self.stats.writes += 1
+            self.stats.bytes_in += size
+            self._append_journal(name)
+        return True
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = None
+            self.writable = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,1 @@
+"""Serving: the engine, speculative decoding, requests, sampling, stats."""

@@ -1,0 +1,326 @@
+"""The serving loop: many requests over the reused slots of one session.
+
+A step decodes every active request together — draft, verify, accept, commit — in
+groups of at most the largest rows bucket; the session pads each group up to its
+nearest bucket with rows that point at the scratch slot, so padding never touches a
+live slot. The step then retires the requests that finished (max_new_tokens or a stop
+token) and admits waiting requests into the freed slots at once: their prompts are
+prefilled together, chunk by chunk, and the last prompt position's logits give each
+its first token.
+
+A slot changes hands by resetting its committed length. Row ids and positions are graph
+inputs and every cache read is masked by position, so the previous request's rows are
+invisible to the next one and no graph is captured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from b12x_toolchain.runtime.serving.requests import Request, RequestState, check_request
+from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
+from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
+from b12x_toolchain.runtime.serving.speculative import confident_drafts, confident_lengths
+
+DECODE_PASSES = ("draft", "verify", "commit")
+
+
+class Engine:
+    def __init__(self, session, *, speculative: bool = True, temperature: float = 0.0, seed: int = 0,
+                 drafter=None, slots: Iterable[int] | None = None, prefix_cache=None):
+        """Serve requests over `slots` of `session` (default: all of them).
+
+        speculative: draft and verify up to draft_width + 1 tokens per step; otherwise one.
+        temperature: 0 decodes greedily; above 0 samples, speculatively with residual
+            resampling, from a per-request generator seeded from `seed` and the request's
+            submission index (or the request's own seed).
+        drafter: `drafter(rows) -> one list of draft_width token ids per row`, replacing
+            the draft pass; its drafts count as deterministic (q one-hot) when sampling.
+        prefix_cache: a `prefix_cache.PrefixCache`; prefill hydrates the longest stored
+            prefix of each prompt and prefills only the rest, storing snapshots at the
+            cache's boundaries.
+        """
+        if not (isinstance(temperature, (int, float)) and temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        self.session, self.speculative, self.temperature = session, speculative, float(temperature)
+        self.seed, self.drafter, self.prefix_cache = seed, drafter, prefix_cache
+        package = session.package
+        self.vocab_size = package.vocab_size
+        self.max_seq_len = package.manifest["model"]["max_seq_len"]
+        self.noise = package.manifest["model"]["noise_token_id"]
+        self.verify_width = package.passes["verify"].width
+        self.draft_width = package.passes["draft"].width
+        self.chunk = package.passes["prefill"].width
+        # A group must fit one bucket of every pass it replays.
+        self.decode_rows = min(max(session.buckets[p]) for p in DECODE_PASSES)
+        self.prefill_rows = max(session.buckets["prefill"])
+        self.slots = check_slots(session, slots)
+        self.free = deque(self.slots)
+        self.waiting: deque[RequestState] = deque()
+        self.active: list[RequestState] = []
+        self.finished: list[RequestState] = []
+        self.stats = EngineStats()
+        self.last_step: dict = {}
+        self._held: set[int] = set()  # slots some request of this engine has held
+        self._ids: set = set()
+        self._submitted = 0
+        self._step_calls = 0
+
+    # -- requests -----------------------------------------------------------------------
+
+    def submit(self, requests: Iterable[Request | list[int]]) -> list[RequestState]:
+        """Queue requests; every one is checked first, so a bad one queues none of them."""
+        items = [r if isinstance(r, Request) else Request(prompt=r) for r in requests]
+        labels = []
+        for offset, request in enumerate(items):
+            label = request.id if request.id is not None else self._submitted + offset
+            check_request(request, repr(label), self.vocab_size, self.max_seq_len)
+            if label in self._ids or label in labels:
+                raise ValueError(f"request {label!r}: id is used twice; request ids must be unique")
+            labels.append(label)
+        states = []
+        now = time.perf_counter()
+        for request, label in zip(items, labels):
+            index = self._submitted
+            self._submitted += 1
+            self._ids.add(label)
+            seed = ("request", request.seed) if request.seed is not None else ("engine", self.seed, index)
+            state = RequestState(label, list(request.prompt), request.max_new_tokens, frozenset(request.stop),
+                                 _generator(seed), submitted_at=now)
+            states.append(state)
+        self.waiting.extend(states)
+        return states
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def generate(self, requests: Iterable[Request | list[int]], on_step=None) -> list[RequestState]:
+        """Serve `requests` to completion; returns their states in the order given."""
+        states = self.submit(requests)
+        self.run(on_step)
+        return states
+
+    def run(self, on_step=None) -> None:
+        """Step until every submitted request is finished; `on_step(step_dict)` after each step."""
+        while self.busy:
+            step = self.step()
+            if on_step is not None:
+                on_step(step)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def step(self) -> dict:
+        """Admit into free slots, decode every active request once, retire, refill freed slots."""
+        stats = StepStats(step=self._step_calls)
+        self._step_calls += 1
+        self._admit(stats)
+        if self.active:
+            start = time.perf_counter()
+            # Verify writes verify_width positions ahead; the last few tokens before
+            # max_seq_len are decoded one at a time through prefill instead.
+            tail = [r for r in self.active if r.length + self.verify_width > self.max_seq_len]
+            body = [r for r in self.active if r.length + self.verify_width <= self.max_seq_len]
+            for group in _groups(body, self.decode_rows):
+                self._decode(group, stats)
+            for group in _groups(tail, self.prefill_rows):
+                self._decode_one(group, stats)
+            stats.decode_seconds = time.perf_counter() - start
+            for request in [r for r in self.active if r.done]:
+                self._retire(request, stats)
+            self.active = [r for r in self.active if not r.done]
+            self._admit(stats)
+        self.stats.record(stats)
+        self.last_step = stats.as_dict()
+        return self.last_step
+
+    def _admit(self, stats: StepStats) -> None:
+        while self.waiting and self.free:
+            batch = []
+            while self.waiting and self.free and len(batch) < self.prefill_rows:
+                request, slot = self.waiting.popleft(), self.free.popleft()
+                stats.slot_reuse += slot in self._held
+                self._held.add(slot)
+                request.slot = slot
+                batch.append(request)
+            start = time.perf_counter()
+            self._prefill(batch, stats)
+            stats.prefill_seconds += time.perf_counter() - start
+            stats.admitted += len(batch)
+            for request in batch:
+                if request.done:  # its first token already ended it: the slot is free again
+                    self._retire(request, stats)
+                else:
+                    self.active.append(request)
+
+    def _retire(self, request: RequestState, stats: StepStats) -> None:
+        request.finished_at = time.perf_counter()
+        self.free.append(request.slot)
+        self.finished.append(request)
+        stats.retired += 1
+
+    # -- passes -------------------------------------------------------------------------
+
+    def _replay(self, pass_name: str, stats: StepStats, **values) -> dict:
+        rows = len(values["row_ids"])
+        stats.padding_rows += self.session.bucket_for(pass_name, rows).rows - rows
+        return self.session.replay(pass_name, **values)
+
+    def _prefill(self, batch: list[RequestState], stats: StepStats) -> None:
+        """Prefill every prompt of the batch, chunk by chunk, the rows of one chunk together.
+
+        With a prefix cache each row first hydrates its longest stored prefix, so rows
+        start at different positions; each chunk continues every row from its own length.
+        """
+        cache, last = self.prefix_cache, {}
+        for request in batch:
+            self.session.reset_slot(request.slot)
+            request.length = 0
+            hit = cache.restore(self.session, request.slot, request.prompt) if cache is not None else None
+            if hit is not None:
+                request.length = hit.length
+                if hit.length == len(request.prompt):  # exact hit: the stored logits give the first token
+                    last[request.slot] = hit.snapshot.logits
+        while rows := [r for r in batch if r.length < len(r.prompt)]:
+            pieces = [r.prompt[r.length : r.length + self.chunk] for r in rows]
+            out = self._replay("prefill", stats, tokens=[p + [0] * (self.chunk - len(p)) for p in pieces],
+                               row_ids=[r.slot for r in rows], positions=[r.length for r in rows],
+                               lengths=[len(p) for p in pieces])
+            for i, (request, piece) in enumerate(zip(rows, pieces)):
+                request.length += len(piece)
+                logits = out["logits"][i, len(piece) - 1].clone()  # the next replay reuses out
+                if request.length == len(request.prompt):
+                    last[request.slot] = logits
+                if cache is not None and cache.boundary(request.length, len(request.prompt)):
+                    cache.store(self.session, request.slot, request.prompt[: request.length], logits)
+        now = time.perf_counter()
+        for request in batch:
+            logits = last[request.slot]
+            request.pending = pick(logits, self.temperature, request.generator)
+            request.first_token_at = now
+            self._emit(request, [request.pending], [margin(logits)], stats)
+            stats.prefill_tokens += len(request.prompt)
+
+    def _drafts(self, rows: list[RequestState], stats: StepStats):
+        """Draft tokens per row and, for sampled drafts from the draft pass, their distributions q."""
+        if not self.speculative:
+            return [[self.noise] * self.draft_width for _ in rows], None
+        if self.drafter is not None:
+            return self._external_drafts(rows), None
+        block = [[r.pending] + [self.noise] * (self.draft_width - 1) for r in rows]
+        out = self._replay("draft", stats, tokens=block, row_ids=[r.slot for r in rows],
+                           positions=[r.length for r in rows])
+        if self.temperature == 0:
+            return confident_drafts(out, self.session.package.manifest), None
+        q = probabilities(out["logits"], self.temperature)
+        lengths = confident_lengths(out, self.session.package.manifest)
+        return [[draw(q[i, j], r.generator) for j in range(n)] for i, (r, n) in enumerate(zip(rows, lengths))], q
+
+    def _external_drafts(self, rows: list[RequestState]) -> list[list[int]]:
+        drafts = [list(d) for d in self.drafter(rows)]
+        if len(drafts) != len(rows):
+            raise ValueError(f"drafter returned {len(drafts)} draft lists for {len(rows)} rows")
+        for request, draft in zip(rows, drafts):
+            if len(draft) != self.draft_width or not all(
+                    isinstance(t, int) and 0 <= t < self.vocab_size for t in draft):
+                raise ValueError(f"drafter: request {request.id!r}: expected {self.draft_width} token ids in "
+                                 f"[0, {self.vocab_size}), got {draft}")
+        return drafts
+
+    def _decode(self, rows: list[RequestState], stats: StepStats) -> None:
+        """draft -> verify -> accept -> commit for one group of rows."""
+        slots, positions = [r.slot for r in rows], [r.length for r in rows]
+        check_rows(slots, self.slots)
+        drafts, q = self._drafts(rows, stats)
+        # A block ended early (low draft confidence) is padded; acceptance stops at its end.
+        tokens = [([r.pending] + d + [self.noise] * self.draft_width)[: self.draft_width + 1] for r, d in zip(rows, drafts)]
+        logits = self._replay("verify", stats, tokens=tokens, row_ids=slots, positions=positions)["logits"]
+        results = []
+        for i, (request, draft) in enumerate(zip(rows, drafts)):
+            if not self.speculative:
+                emitted = [pick(logits[i, 0], self.temperature, request.generator)]
+            elif self.temperature == 0:
+                emitted = accept_greedy(draft, logits[i])
+            else:
+                p = probabilities(logits[i], self.temperature)
+                emitted = accept_sampled(draft, None if q is None else q[i], p, request.generator)
+            accepted = len(emitted) - 1
+            stats.drafted += len(draft) if self.speculative else 0
+            stats.accepted += accepted
+            request.accepted += accepted
+            results.append((emitted, [margin(logits[i, j]) for j in range(len(emitted))]))
+        # Commit pending plus the accepted drafts; the last emitted token becomes pending.
+        self._replay("commit", stats, row_ids=slots, positions=positions,
+                     accept_len=[len(emitted) for emitted, _ in results])
+        for request, (emitted, margins) in zip(rows, results):
+            request.length += len(emitted)
+            self._finish_step(request, emitted, margins, stats)
+
+    def _decode_one(self, rows: list[RequestState], stats: StepStats) -> None:
+        """One token per row through prefill, which writes the pending token's rows directly."""
+        slots = [r.slot for r in rows]
+        check_rows(slots, self.slots)
+        out = self._replay("prefill", stats, tokens=[[r.pending] + [0] * (self.chunk - 1) for r in rows],
+                           row_ids=slots, positions=[r.length for r in rows], lengths=[1] * len(rows))
+        for i, request in enumerate(rows):
+            token = pick(out["logits"][i, 0], self.temperature, request.generator)
+            request.length += 1
+            self._finish_step(request, [token], [margin(out["logits"][i, 0])], stats)
+
+    def _finish_step(self, request: RequestState, emitted: list[int], margins: list[float], stats: StepStats) -> None:
+        request.pending = emitted[-1]
+        request.steps += 1
+        stats.rows += 1
+        stats.bonus += 1
+        self._emit(request, emitted, margins, stats)
+
+    def _emit(self, request: RequestState, tokens: list[int], margins: list[float], stats: StepStats) -> None:
+        before = len(request.tokens)
+        request.emit(tokens, margins)
+        stats.generated += len(request.tokens) - before
+
+
+def check_slots(session, slots: Iterable[int] | None) -> list[int]:
+    """The slots an engine may use: in range, not the scratch slot, each once."""
+    if slots is None:
+        return list(range(session.slots))
+    slots = list(slots)
+    if not slots:
+        raise ValueError("slots is empty; an engine needs at least one slot")
+    for slot in slots:
+        if not isinstance(slot, int) or isinstance(slot, bool):
+            raise ValueError(f"slot {slot!r} is not an integer slot id")
+        if slot == session.scratch_slot:
+            raise ValueError(f"slot {slot} is the session's scratch slot, which padding rows use; "
+                             f"requests get slots in [0, {session.slots})")
+        if not 0 <= slot < session.slots:
+            raise ValueError(f"slot {slot} is out of range; the session has slots [0, {session.slots})")
+    check_rows(slots, slots)
+    return slots
+
+
+def check_rows(row_ids: list[int], allowed: list[int]) -> None:
+    """A group's row ids, checked before its first replay so a step runs all its passes or none."""
+    seen = set()
+    for row in row_ids:
+        if row in seen:
+            raise ValueError(f"row id {row} appears twice in {row_ids}; each row needs its own slot")
+        if row not in allowed:
+            raise ValueError(f"row id {row} is not one of this engine's slots {sorted(allowed)}")
+        seen.add(row)
+
+
+def _generator(key: tuple) -> torch.Generator:
+    # torch's CPU generator keeps only the low 32 bits of a seed: hash the key into them,
+    # so seeds that differ only in high bits, or by the request index, still differ.
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=4).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+def _groups(rows: list, size: int) -> list[list]:
+    return [rows[i : i + size] for i in range(0, len(rows), size)]

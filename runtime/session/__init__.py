@@ -1,0 +1,1 @@
+"""Sessions: caller-owned buffers, input validation, graph replay per rows bucket."""

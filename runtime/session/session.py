@@ -1,0 +1,177 @@
+"""A session: caller-owned buffers bound to a package's passes, replayed per rows bucket.
+
+The session allocates (or accepts) every cache, staging buffer, input and output once,
+validates each against the manifest, and prepares each pass per rows bucket. A replay
+validates the caller's values, copies them into the bucket's static inputs (padding rows
+point at the scratch slot, the last slot), runs the captured graph and copies results
+into the bucket's static outputs. Buffers never move, so poisoning any reusable storage
+before a replay changes no output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.serving.engine import Engine
+from b12x_toolchain.runtime.session.graph_runner import GraphRunner
+from b12x_toolchain.runtime.ops.qualify import check_fused_window
+from b12x_toolchain.runtime.session.retarget import graph_on
+from b12x_toolchain.runtime.session.validate import BufferError, check_buffer, validate_inputs
+
+FUSED = torch.ops.b12x.window_snapshot_append.default
+
+
+class Bucket:
+    """Static inputs and outputs of one (pass, rows bucket), and the graph's argument list.
+
+    Every argument is a fixed tensor (weights, caches, staging views, static inputs), so the
+    flat argument list is built once; a replay calls the graph on it directly, with no
+    pytree or shape-guard work (the session validated the values already).
+    """
+
+    def __init__(self, rows: int, inputs: dict, outputs: dict, staging: dict, graph, args: list, out_spec):
+        self.rows, self.inputs, self.outputs, self.staging = rows, inputs, outputs, staging
+        self.graph, self.args, self.out_spec = graph, args, out_spec
+
+    def run(self) -> dict:
+        return pytree.tree_unflatten(list(self.graph(*self.args)), self.out_spec)
+
+
+class Session:
+    def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.package, self.device = package, torch.device(device)
+        self.slots, self.scratch_slot = slots, slots  # one extra slot absorbs padding rows
+        all_buckets = sorted({b for p in package.passes.values() for b in p.rows_buckets})
+        self.max_rows = max_rows or all_buckets[-1]
+        self.seq_lens = [0] * (slots + 1)  # host mirror of cache.seq_len: validation needs no sync
+        self.weights = {k: v.to(self.device) for k, v in package.weights.items()}
+        self.caches, self.staging = {}, {}
+        self._bind(buffers or {})
+        self.graphs = GraphRunner(self.device, (self.caches, self.staging), self.scratch_slot)
+        self.buckets = {name: self._prepare(info) for name, info in package.passes.items()}
+
+    # -- binding ------------------------------------------------------------------------
+
+    def _shared_specs(self) -> dict[str, BufferSpec]:
+        specs = {}
+        for info in self.package.passes.values():
+            for spec in info.inputs:
+                if spec.role in ("cache", "staging"):
+                    if specs.setdefault(spec.name, spec) != spec:
+                        raise BufferError(f"{spec.name}: passes disagree on its spec")
+        return specs
+
+    def _bind(self, given: dict) -> None:
+        symbols = {"slots": self.slots + 1, "rows": self.max_rows}
+        specs = self._shared_specs()
+        unknown = set(given) - set(specs)
+        if unknown:
+            raise BufferError(f"{sorted(unknown)[0]}: not a cache or staging buffer of this package")
+        for name, spec in specs.items():
+            shape = spec.resolve(symbols)
+            tensor = given.get(name)
+            if tensor is None:
+                tensor = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
+            check_buffer(spec, tensor, shape, self.device)
+            (self.caches if spec.role == "cache" else self.staging)[name] = tensor
+
+    def _prepare(self, info) -> dict[int, Bucket]:
+        for node in info.program.graph.nodes:
+            if node.op == "call_function" and node.target == FUSED:
+                args = dict(zip((a.name for a in FUSED._schema.arguments), node.args))
+                check_fused_window(args["history"], args["layout"], args["page_size"], where=f"pass {info.name}")
+        buckets, graph = {}, graph_on(info.program, self.device)
+        for rows in (b for b in info.rows_buckets if b <= self.max_rows):
+            make = lambda s: torch.zeros(s.resolve({"rows": rows}), dtype=s.torch_dtype, device=self.device)
+            inputs = {s.name: make(s) for s in info.inputs if s.role == "input"}
+            outputs = {s.name: make(s) for s in info.outputs}
+            staging = {s.name: self.staging[s.name][:rows] for s in info.inputs if s.role == "staging"}
+            caches = {s.name: self.caches[s.name] for s in info.inputs if s.role == "cache"}
+            args, spec = pytree.tree_flatten(((self.weights_for(info), caches, staging, inputs), {}))
+            if spec != info.program.call_spec.in_spec:
+                raise BufferError(f"pass {info.name}: bound buffers do not match the graph's inputs")
+            buckets[rows] = Bucket(rows, inputs, outputs, staging, graph, args, info.program.call_spec.out_spec)
+            self.graphs.add(info.name, buckets[rows])
+        if not buckets:
+            raise BufferError(f"pass {info.name}: no rows bucket fits max_rows={self.max_rows}; buckets {info.rows_buckets}")
+        return buckets
+
+    # -- replay -------------------------------------------------------------------------
+
+    def bucket_for(self, pass_name: str, rows: int) -> Bucket:
+        return self.graphs.bucket_for(pass_name, rows)
+
+    def replay(self, pass_name: str, **values) -> dict[str, torch.Tensor]:
+        """Run one pass for len(row_ids) rows; returns views of the static outputs."""
+        if pass_name not in self.buckets:
+            raise ValueError(f"unknown pass {pass_name!r}; this package has {sorted(self.buckets)}")
+        info = self.package.passes[pass_name]
+        tensors = validate_inputs(self, info, values)
+        n = tensors["row_ids"].shape[0]
+        bucket = self.bucket_for(pass_name, n)
+        for name, static in bucket.inputs.items():
+            static[:n].copy_(tensors[name])
+            static[n:] = self.scratch_slot if name == "row_ids" else 0
+        self.graphs.replay(pass_name, bucket)  # CUDA: one graph replay; CPU: the graph, run directly
+        self._advance(pass_name, tensors)
+        return {name: out[:n] for name, out in bucket.outputs.items()}
+
+    def generate(self, requests, **options) -> list:
+        """Serve requests over this session's slots; options and results as `engine.Engine`."""
+        return Engine(self, **options).generate(requests)
+
+    def weights_for(self, info) -> dict:
+        return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}
+
+    def _advance(self, pass_name: str, tensors: dict) -> None:
+        step = {"prefill": "lengths", "commit": "accept_len"}.get(pass_name)
+        if step is None:
+            return
+        for slot, pos, count in zip(tensors["row_ids"].tolist(), tensors["positions"].tolist(), tensors[step].tolist()):
+            self.seq_lens[slot] = pos + count
+
+    def reset_slot(self, slot: int) -> None:
+        """Hand a slot to a new request: its old rows become invisible (positions restart)."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is out of range [0, {self.slots})")
+        self.seq_lens[slot] = 0
+        self.caches["cache.seq_len"][slot] = 0
+
+    def reusable_storage(self) -> list[torch.Tensor]:
+        """Every buffer a replay may overwrite without notice: staging, static inputs, outputs."""
+        out = list(self.staging.values())
+        for buckets in self.buckets.values():
+            for bucket in buckets.values():
+                out += list(bucket.inputs.values()) + list(bucket.outputs.values())
+        return out
+
+    def poison(self, keep_staging: bool = False) -> None:
+        """Fill reusable storage with garbage (0xFF bytes, NaN floats, -1 integers).
+
+        Replays must not read anything they did not write first; tests and the verify
+        command call this before each replay to prove it. keep_staging spares the staging
+        buffers (commit reads what verify staged).
+        """
+        keep = {t.data_ptr() for t in self.staging.values()} if keep_staging else set()
+        for tensor in self.reusable_storage():
+            if tensor.data_ptr() in keep:
+                continue
+            if tensor.dtype == torch.uint8:
+                tensor.fill_(0xFF)
+            elif tensor.dtype.is_floating_point:
+                tensor.fill_(float("nan"))
+            else:
+                tensor.fill_(-1)
+
+    def buffer_addresses(self) -> dict[str, tuple[int, int]]:
+        """(data pointer, bytes) of every caller-owned buffer and static input/output."""
+        out = {n: (t.data_ptr(), t.nbytes) for n, t in {**self.caches, **self.staging}.items()}
+        for pass_name, buckets in self.buckets.items():
+            for rows, bucket in buckets.items():
+                for n, t in {**bucket.inputs, **bucket.outputs}.items():
+                    out[f"{pass_name}[{rows}].{n}"] = (t.data_ptr(), t.nbytes)
+        return out

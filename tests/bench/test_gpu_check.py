@@ -1,0 +1,31 @@
+"""The GPU qualification script on a machine without a GPU: it says so, and its kernel
+checks run (in Triton's interpreter) and pass. Its GPU-only parts run only on a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from paths import ROOT
+
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_without_cuda_it_refuses_with_exit_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "no CUDA device: nothing to qualify" in proc.stderr
+
+
+def test_kernel_checks_of_the_script_pass_here():
+    pytest.importorskip("triton")
+    from benchmarks import gpu_check
+
+    gpu_check.RESULTS.clear()
+    gpu_check.kernel_bytes("cuda" if torch.cuda.is_available() else "cpu")
+    names = [c.name for c in gpu_check.RESULTS]
+    assert len(names) == 13 and "kernel bytes w7 r3 d512" in names and "row ops mxfp4 d128" in names
+    assert [c.name for c in gpu_check.RESULTS if not c.ok] == []

@@ -1,0 +1,168 @@
+"""DeepSeek V4 through b12x matches `transformers`' DeepseekV4ForCausalLM.
+
+The reference is a tiny random `transformers` model saved with save_pretrained; b12x
+imports that checkpoint. The reference runs one full forward over the whole sequence; b12x runs the exported
+passes through the runtime: chunked prefill, then verify steps of width 8 whose first
+1, 7 or 8 rows are committed, far past the attention window and across every
+compressor group boundary. fp32 cache formats must agree within 1e-4; the recipe's
+quantised formats within the bound derived in `test_quantised_formats_stay_within_bound`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.runtime.serving.speculative import Decoder
+from conftest import random_tokens
+from runtime.serving.test_speculative import assert_same_or_near_tie
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
+from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
+from hf_reference import reference_logits, save_tiny_checkpoint
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe("dsv4-tiny")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Random weights saved by `transformers`' save_pretrained (plus the MTP stage's)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("v4ckpt"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def weights(recipe, checkpoint):
+    """The package's weights come through the checkpoint import, as a user's would."""
+    return load_hf_checkpoint(checkpoint.path, Dims.from_recipe(recipe))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return checkpoint.model
+
+
+@pytest.fixture(scope="module")
+def fp32_pkg(recipe, weights, tmp_path_factory):
+    return exported(recipe, weights, tmp_path_factory, FP32_CACHES, name="dsv4-tiny-fp32")
+
+
+@pytest.fixture(scope="module")
+def quantised_pkg(recipe, weights, tmp_path_factory):
+    return exported(recipe, weights, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    gen = torch.Generator().manual_seed(21)
+    # Two requests of different lengths share each replay (rows 2): 40 and 77 prompt tokens.
+    return [random_tokens(gen, 260), random_tokens(gen, 260)], [40, 77]
+
+
+@pytest.fixture(scope="module")
+def expected(reference, sequences):
+    return [reference_logits(reference, seq) for seq in sequences[0]]
+
+
+def test_reference_top_k_is_tie_free(reference, recipe, sequences):
+    """The comparison is only sharp if the indexer really drops entries and no two scores
+    tie at the top-k boundary (ReLU zeros could; top-k then depends on row width)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+
+    scores = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: scores.append(out[0].detach()))
+             for m in reference.modules() if isinstance(m, DeepseekV4IndexerScorer)]
+    try:
+        reference_logits(reference, sequences[0][0])
+    finally:
+        for h in hooks:
+            h.remove()
+    k, ratio = recipe.model.indexer.topk, recipe.model.csa_ratio
+    gaps, dropping = [], 0
+    for layer_scores in scores:  # [S, T]
+        for t in range(layer_scores.shape[0]):
+            visible = layer_scores[t, : (t + 1) // ratio].sort(descending=True).values
+            if visible.numel() > k:
+                dropping += 1
+                gaps.append((visible[k - 1] - visible[k]).item())
+    assert scores and dropping > 100, "the indexer never had more visible entries than top-k"
+    print(f"{dropping} queries chose {k} of more entries; smallest boundary gap {min(gaps):.3g}")
+    assert min(gaps) > 1e-4
+
+
+def test_prefill_logits_match_reference(fp32_pkg, reference, expected, sequences):
+    session = fp32_pkg.session(slots=1, max_rows=1)
+    seq = sequences[0][0][:200]  # four chunks of 64: the last one partial
+    got = prefill(session, 0, seq)
+    err = (got - expected[0][:200]).abs().max().item()
+    print(f"prefill 200 tokens: max |Δlogit| {err:.3g}")
+    assert err < TOLERANCE
+
+
+def test_incremental_logits_match_reference(fp32_pkg, recipe, expected, sequences):
+    got = incremental(fp32_pkg, *sequences)
+    window = recipe.model.window
+    for slot, (ours, ref) in enumerate(zip(got, expected)):
+        n = ours.shape[0]
+        assert n >= window + 150, f"request {slot} covered only {n} positions"
+        err = (ours - ref[:n]).abs().max().item()
+        print(f"request {slot}: {n} positions, max |Δlogit| {err:.3g}")
+        assert err < TOLERANCE
+
+
+
+def test_quantised_formats_stay_within_bound(quantised_pkg, recipe, expected, sequences):
+    """MXFP8 cache rows: every element within relative ε = 2^-4 of its value.
+
+    E4M3 keeps 3 mantissa bits, so round-to-nearest moves a value by at most half a unit
+    in the last place, 2^-4 relative; the block's power-of-two scale keeps the block
+    maximum normal. Each of the L quantised layers adds noise of that relative size to
+    the keys (= values) it reads, and the normalised residual streams carry it on without
+    growth, so the logits' RMS error relative to their RMS stays within sqrt(L) * ε. A
+    maximum over positions is not bounded: the indexer's top-k and the MoE routing are
+    discontinuous, and noise of that size flips a choice at a few positions.
+    """
+    eps = 2.0 ** -4
+    layers = len(recipe.model.target_ratios)
+    bound = layers ** 0.5 * eps
+    for slot, (ours, ref) in enumerate(zip(incremental(quantised_pkg, *sequences), expected)):
+        ref = ref[: ours.shape[0]]
+        err = relative_rms(ours, ref)
+        print(f"request {slot}: relative RMS logit error {err:.3g} (bound {bound:.3g})")
+        assert err <= bound
+        assert err > 1e-3  # the formats are really on the path: fp32 caches give ~1e-6
+
+
+# --- speculative decoding ---------------------------------------------------------------
+
+def test_speculation_equals_greedy(quantised_pkg, sequences):
+    """The MTP draft pass, and a drafter that is right for 0..7 tokens, give greedy's tokens."""
+    prompts = [seq[:n] for seq, n in zip(*sequences)]
+    greedy = Decoder(quantised_pkg.session(slots=2, max_rows=2))
+    want = greedy.generate(prompts, 40, speculative=False)
+    mtp = Decoder(quantised_pkg.session(slots=2, max_rows=2))
+    got = mtp.generate(prompts, 40)
+    gen = torch.Generator().manual_seed(5)
+    counts = set()
+
+    def drafter(rows):
+        out = []
+        for row in rows:
+            done, right = len(row.tokens), int(torch.randint(0, 8, (1,), generator=gen))
+            truth = want[row.slot][done : done + 7]
+            counts.add(min(right, len(truth)))
+            out.append((truth[:right] + [(t + 1) % 512 for t in truth[right:]] + [0] * 7)[:7])
+        return out
+
+    oracle = Decoder(quantised_pkg.session(slots=2, max_rows=2), drafter=drafter)
+    right = oracle.generate(prompts, 40)
+    for slot in range(2):
+        assert_same_or_near_tie(got[slot], want[slot], greedy.margins[slot], f"MTP request {slot}")
+        assert_same_or_near_tie(right[slot], want[slot], greedy.margins[slot], f"oracle request {slot}")
+    assert mtp.stats.drafted >= 7 * mtp.stats.steps
+    assert {0, 7} <= counts and oracle.stats.as_dict()["tokens_per_step"] > 1.5

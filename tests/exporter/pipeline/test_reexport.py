@@ -1,0 +1,108 @@
+"""Reproducible bytes and `b12x export --check`: re-export from the manifest, compare bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from b12x_toolchain.exporter.cli.main import main
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.pipeline.reexport import differences
+from b12x_toolchain.runtime.package.checkpoint import INDEX
+from conftest import recipe_variant
+from paths import ROOT
+
+
+
+@pytest.fixture(scope="module")
+def small_structural(small_recipe, tmp_path_factory):
+    return export_package(small_recipe, tmp_path_factory.mktemp("small"), structural=True).path
+
+
+def _texts(root: Path):
+    """Every file's bytes, and every entry of every archive in it, decompressed."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            yield path.name, data
+            if zipfile.is_zipfile(io.BytesIO(data)):
+                archive = zipfile.ZipFile(io.BytesIO(data))
+                for entry in archive.namelist():
+                    yield f"{path.name}:{entry}", archive.read(entry)
+
+
+def test_package_holds_no_paths_or_host_names(small_structural):
+    forbidden = {str(ROOT), str(Path.home()), tempfile.gettempdir(), str(small_structural.parent), socket.gethostname()}
+    for name, data in _texts(small_structural):
+        for text in forbidden - {"", "/"}:
+            assert text.encode() not in data, f"{name} contains {text!r}"
+
+
+def test_another_process_and_folder_give_the_same_bytes(small_structural, small_recipe, tmp_path):
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
+    elsewhere = tmp_path / "another" / "place"
+    elsewhere.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "export", "--recipe", str(recipe), "--weights", "none",
+                    "--out", "other-name"], cwd=elsewhere, check=True, capture_output=True, timeout=600)
+    assert differences(small_structural, elsewhere / "other-name" / "dsv41-small.b12x") == []
+
+
+def test_check_passes_for_an_untouched_package(small_structural, tmp_path):
+    copy = shutil.copytree(small_structural, tmp_path / "renamed.b12x")
+    result = CliRunner().invoke(main, ["export", "--check", str(copy)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "re-export is byte-identical" in result.output
+    assert "capturing verify" in result.output and "captured verify in" in result.output  # progress per pass
+
+
+def test_differences_name_exactly_the_changed_file(small_structural, tmp_path):
+    copy = shutil.copytree(small_structural, tmp_path / "copy.b12x")
+    data = bytearray((copy / "graphs" / "draft.pt2").read_bytes())
+    data[100] ^= 1
+    (copy / "graphs" / "draft.pt2").write_bytes(bytes(data))
+    assert differences(copy, small_structural) == ["graphs/draft.pt2"]
+    (copy / "extra.txt").write_text("x")
+    assert differences(copy, small_structural) == ["extra.txt", "graphs/draft.pt2"]
+
+
+def test_check_of_a_manifest_names_what_a_recipe_change_moves(small_structural, small_recipe, tmp_path):
+    """CI keeps only the manifest; changing one recipe value must change the bytes, and say where."""
+    committed = tmp_path / "dsv41-small.manifest.json"
+    shutil.copy(small_structural / "manifest.json", committed)
+    changed = recipe_variant(small_recipe, {"model.rope_theta": 20000.0})
+    recipe = tmp_path / "changed.yaml"
+    recipe.write_text(yaml.safe_dump(changed.normalized()))
+    result = CliRunner().invoke(main, ["export", "--check", str(committed), "--recipe", str(recipe)])
+    assert result.exit_code == 1
+    differing = [line.removeprefix("differs: ") for line in result.output.splitlines() if line.startswith("differs: ")]
+    # RoPE runs in prefill, verify and draft; commit only copies bytes.
+    assert differing == ["graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2",
+                         "manifest.json (recipe, recipe_sha256)"]
+    assert "is not byte-identical: 4 file(s) differ" in result.output
+
+
+def test_check_refuses_settings_that_contradict_the_package(small_structural):
+    result = CliRunner().invoke(main, ["export", "--check", str(small_structural), "--no-fuse"])
+    assert result.exit_code == 1 and "--check re-exports with the settings PKG records" in result.output
+
+
+def test_weights_index_must_hold_every_weight(checkpoint_dir, tmp_path):
+    index = json.loads((checkpoint_dir / INDEX).read_text())
+    del index["weight_map"]["model.layers.4.self_attn.compressor.kv_proj.weight"]
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    result = CliRunner().invoke(main, ["export", "--recipe", "dsv41-tiny", "--weights", "none",
+                                       "--weights-index", str(tmp_path / INDEX), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "model.layers.4.self_attn.compressor.kv_proj.weight: not in the checkpoint index" in result.output
+    assert not (tmp_path / "out").exists()  # refused before anything is captured

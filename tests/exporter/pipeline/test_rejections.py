@@ -1,0 +1,133 @@
+"""Unsupported configurations and bad buffers are refused at export and at bind time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from b12x_toolchain.exporter.pipeline.export import ExportError, export_package
+from b12x_toolchain.exporter.recipe.loader import RecipeError
+from b12x_toolchain.passes.fuse_window_snapshot import REWRITE
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
+from b12x_toolchain.runtime.session.validate import BufferError
+from conftest import recipe_variant
+
+
+def _no_leftovers(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("changes, key, value", [
+    ({"model.window": 64, "cache.history": 64}, "cache.history", "64 is not supported .*qualified: 128"),
+    ({"cache.staging.layout": "HND"}, "cache.staging.layout", "'HND' is not supported .*qualified: NHD"),
+    ({"cache.staging.page_size": 8}, "cache.staging.page_size", "8 is not supported .*qualified: 16, 32, 64, 128"),
+])
+def test_recipe_refuses_unqualified_fusion_at_its_key(small_recipe, changes, key, value):
+    with pytest.raises(RecipeError, match=rf"dsv41-small.yaml:\d+: {key}: {value}"):
+        recipe_variant(small_recipe, changes)
+
+
+def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
+    """Defence in depth: a graph reaching the pass with an unqualified site still fails export."""
+    from b12x_toolchain.exporter.pipeline.capture import capture
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from b12x_toolchain.exporter.model.pass_modules import VerifyPass
+    from b12x_toolchain.exporter.model.weights import init_weights
+    from b12x_toolchain.passes.manager import PassError, build_pipeline, run_pipeline
+
+    recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
+    dims = Dims.from_recipe(recipe)
+    program = capture(VerifyPass(dims), init_weights(dims, 0))
+    with pytest.raises(PassError, match=r"pass fuse_window_snapshot failed on the verify graph: .*history length 64"):
+        run_pipeline(program.graph_module, build_pipeline(["fuse_window_snapshot"]), "verify")
+
+
+def test_recipe_refuses_impossible_match_counts(small_recipe):
+    counts = {"prefill": 0, "verify": 3, "draft": 1, "commit": 0}
+    with pytest.raises(RecipeError, match=r"rewrites\[0\]\.expect_matches\.verify: 3 matches are impossible"):
+        recipe_variant(small_recipe, {"rewrites.0.expect_matches": counts})
+
+
+def test_unfused_export_accepts_what_the_fused_op_does_not(small_recipe, tmp_path):
+    # The unfused ops handle any history and layout; only the fused op is restricted.
+    recipe = recipe_variant(small_recipe, {"cache.staging.layout": "HND", "cache.staging.page_size": 8, "rewrites": []})
+    path = export_package(recipe, tmp_path, fuse=False).path
+    session = load(path).session(slots=1)
+    rows = max(recipe.passes.verify.rows_buckets)  # staging is sized for the largest bucket
+    assert session.staging["staging.verify.layer0.window"].shape == (rows, 17, 1, 8, 66)
+
+
+def test_wrong_match_count_fails_export_and_leaves_nothing(small_recipe, tmp_path):
+    recipe = recipe_variant(small_recipe, {"rewrites.0.expect_matches": {"prefill": 0, "verify": 1, "draft": 1, "commit": 0}})
+    with pytest.raises(ExportError, match="found 2 matches in the verify graph; the recipe expects 1"):
+        export_package(recipe, tmp_path)
+    assert _no_leftovers(tmp_path) == []
+
+
+def test_session_refuses_a_fused_graph_for_an_unqualified_history(small_recipe, tmp_path):
+    """A package fused by another tool for history 64 is refused when buffers are bound."""
+    recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
+    package = load(export_package(recipe, tmp_path, fuse=False).path)
+    unchecked = dataclasses.replace(REWRITE, check=None)
+    assert unchecked.apply(package.passes["verify"].program.graph_module) == 2
+    with pytest.raises(UnsupportedConfiguration, match=r"pass verify: .*history length 64 .*\[128\]"):
+        package.session(slots=1)
+
+
+@pytest.fixture(scope="module")
+def small_pkg(small_recipe, tmp_path_factory):
+    return load(export_package(small_recipe, tmp_path_factory.mktemp("small")).path)
+
+
+@pytest.mark.parametrize("tensor, message", [
+    (torch.zeros(2, 128, 66, dtype=torch.float32), r"dtype torch.float32 does not match the expected torch.uint8"),
+    (torch.zeros(2, 127, 66, dtype=torch.uint8), r"shape \(2, 127, 66\) does not match the expected \(2, 128, 66\)"),
+    (torch.zeros(2, 66, 128, dtype=torch.uint8).transpose(1, 2), r"strides .* are not contiguous"),
+    ([0] * 4, r"expected a tensor"),
+])
+def test_session_refuses_a_wrong_buffer(small_pkg, tensor, message):
+    with pytest.raises(BufferError, match=r"cache.layer0.window: " + message):
+        small_pkg.session(slots=1, buffers={"cache.layer0.window": tensor})
+
+
+def test_session_uses_caller_owned_buffers(small_pkg):
+    ring = torch.zeros(3, 128, 66, dtype=torch.uint8)
+    session = small_pkg.session(slots=2, buffers={"cache.layer0.window": ring})
+    assert session.caches["cache.layer0.window"] is ring
+    with pytest.raises(BufferError, match="cache.nope: not a cache or staging buffer"):
+        small_pkg.session(slots=2, buffers={"cache.nope": ring})
+
+
+def _caches(session):
+    return {k: v.clone() for k, v in session.caches.items()}
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(row_ids=[5], positions=[0], accept_len=[1]), r"row_ids: value 5 is out of range; expected a slot in \[0, 2\)"),
+    (dict(row_ids=[-1], positions=[0], accept_len=[1]), r"row_ids: value -1 is out of range"),
+    (dict(row_ids=[0, 0], positions=[3, 3], accept_len=[1, 1]), r"row_ids: \[0, 0\] repeats a slot"),
+    (dict(row_ids=[0], positions=[7], accept_len=[1]), r"positions: \[7\] do not continue the slots' committed lengths \[3\]"),
+    (dict(row_ids=[0], positions=[3], accept_len=[9]), r"accept_len: value 9 is out of range"),
+    (dict(row_ids=[0], positions=[3]), r"missing \['accept_len'\]"),
+    (dict(row_ids=torch.tensor([0], dtype=torch.int64), positions=[3], accept_len=[1]), r"row_ids: dtype torch.int64"),
+])
+def test_bad_commit_inputs_are_refused_before_any_write(small_pkg, values, message):
+    session = small_pkg.session(slots=2)
+    from b12x_toolchain.runtime.serving.speculative import Decoder
+    Decoder(session).prefill(0, [1, 2, 3])
+    before = _caches(session)
+    with pytest.raises(ValueError, match=message):
+        session.replay("commit", **values)
+    after = _caches(session)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bad_tokens_are_refused(small_pkg):
+    session = small_pkg.session(slots=1)
+    with pytest.raises(ValueError, match=r"tokens: value 512 is out of range; expected a token id in \[0, 512\)"):
+        session.replay("prefill", tokens=[[512] + [0] * 63], row_ids=[0], positions=[0], lengths=[1])
+    with pytest.raises(ValueError, match=r"tokens: shape \(1, 5\) does not match the expected \(1, 8\)"):
+        session.replay("verify", tokens=[[1] * 5], row_ids=[0], positions=[0])

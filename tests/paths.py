@@ -1,0 +1,8 @@
+"""Where the repository's folders are, for tests at any depth of tests/."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+RECIPES = ROOT / "recipes"
+EXAMPLES = ROOT / "examples"

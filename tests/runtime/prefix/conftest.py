@@ -1,0 +1,65 @@
+"""Packages for the prefix-cache tests: the small recipe, and variants that must never share snapshots."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest, weights_bytes
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.package.reader import Package
+from conftest import recipe_variant
+
+
+@pytest.fixture(scope="session")
+def small_path(small_recipe, tmp_path_factory):
+    return export_package(small_recipe, tmp_path_factory.mktemp("small")).path
+
+
+@pytest.fixture(scope="session")
+def small_pkg(small_path):
+    return load(small_path)
+
+
+@pytest.fixture(scope="session")
+def other_weights_pkg(small_pkg, small_path, tmp_path_factory):
+    """The same recipe with other weights: weights are graph inputs, so only weights.safetensors
+    and its hash in the manifest change — what an export from another checkpoint gives."""
+    target = tmp_path_factory.mktemp("other-weights") / small_path.name
+    shutil.copytree(small_path, target)
+    weights = {name: t * 1.01 if t.is_floating_point() and t.dim() > 1 else t for name, t in small_pkg.weights.items()}
+    data = weights_bytes(weights)
+    (target / "weights.safetensors").write_bytes(data)
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["files"]["weights.safetensors"] = hashlib.sha256(data).hexdigest()
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (target / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return load(target)
+
+
+@pytest.fixture(scope="session")
+def bf16_window_pkg(small_recipe, tmp_path_factory):
+    """The small recipe with its window rings in bf16 instead of MXFP8: another cache format."""
+    recipe = recipe_variant(small_recipe, {"cache.window_format": "bf16"})
+    return load(export_package(recipe, tmp_path_factory.mktemp("bf16")).path)
+
+
+def with_manifest(package, edit) -> Package:
+    """The same graphs and weights under an edited copy of the manifest."""
+    manifest = copy.deepcopy(package.manifest)
+    edit(manifest)
+    return Package(package.path, manifest, package.passes, package.weights)
+
+
+def with_capabilities(package, **flags) -> Package:
+    def edit(manifest):
+        if flags.get("remove"):
+            manifest["model"].pop("capabilities", None)
+        else:
+            manifest["model"]["capabilities"] = {f"supports_{k}": v for k, v in flags.items()}
+    return with_manifest(package, edit)

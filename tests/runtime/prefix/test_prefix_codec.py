@@ -1,0 +1,138 @@
+"""Snapshot codec: a hydrated slot continues bit for bit like the slot it was taken from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.prefix.keys import token_bytes
+from b12x_toolchain.runtime.prefix.l1 import L1Cache
+from b12x_toolchain.runtime.prefix.l2 import L2Store
+from b12x_toolchain.runtime.prefix.snapshot import (LayoutError, SnapshotCodec, SnapshotError, SnapshotMismatch, cache_layout,
+                                   capabilities, package_layout)
+from b12x_toolchain.runtime.serving.speculative import Decoder
+from conftest import random_tokens
+from runtime.prefix.helpers import clone, continue_slot, same
+
+# Before the window fills (odd, so a ratio-2 group is open), exactly at the window, after the ring wrapped.
+LENGTHS = (101, 128, 301)
+
+
+@pytest.fixture(scope="module")
+def session(fused_pkg):
+    return fused_pkg.session(slots=4, max_rows=1)  # slots 0..3; the 5th is the scratch slot
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_hydrated_slot_continues_bitwise(fused_pkg, session, length, tmp_path):
+    """Directly, through L1, and through an L2 file read back after a restart of the store."""
+    gen = torch.Generator().manual_seed(length)
+    prompt, more, other = random_tokens(gen, length), random_tokens(gen, 80), random_tokens(gen, 260)
+    codec = SnapshotCodec(fused_pkg)
+    decoder = Decoder(session)
+    for slot in (1, 2, 3):  # the targets hold a longer, unrelated request first
+        decoder.prefill(slot, other)
+    decoder.prefill(0, prompt)
+    snap = codec.capture(session, 0, prompt)
+
+    window, compressed = snap.meta["cache.layer0.window"], snap.meta["cache.layer4.compressed"]
+    assert window == {"kind": "ring", "capacity": 128, "row_bytes": 66, "rows": min(length, 128),
+                      "ring_index": length % 128, "offset": length}
+    assert compressed == {"kind": "append", "ratio": 1, "row_bytes": 36, "rows": length, "offset": length}
+    assert snap.meta["cache.layer2.compressed"]["rows"] == length // 2
+    assert snap.meta["cache.layer2.state"]["ring_index"] == length % 2
+    assert {"cache.draft0.window", "cache.draft1.window"} <= set(snap.caches)
+    for name, rows in snap.caches.items():
+        assert torch.equal(rows, session.caches[name][0, : rows.shape[0]]), name
+    kept = clone(snap)
+
+    l1 = L1Cache(1 << 30)
+    l1.insert(snap)
+    with L2Store(tmp_path, 1 << 30) as store:
+        store.put(snap)
+    with L2Store(tmp_path, 1 << 30) as store:
+        from_disk = store.lookup(codec.identity, token_bytes(prompt + more))
+    codec.hydrate(session, 1, snap)
+    codec.hydrate(session, 2, l1.lookup(codec.identity.key, token_bytes(prompt + more)))
+    codec.hydrate(session, 3, from_disk)
+    assert session.seq_lens[1:4] == [length] * 3 and session.caches["cache.seq_len"][1:4].tolist() == [length] * 3
+    want = continue_slot(session, 0, more)
+    for slot, path in ((1, "direct"), (2, "L1"), (3, "L2")):
+        got = continue_slot(session, slot, more)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"{path}: output {i} differs after hydration"
+
+    # Every slot moved on, and a hydrated one is now overwritten outright: the snapshot is untouched.
+    for cache in session.caches.values():
+        cache[1] = 0x5A if cache.dtype == torch.uint8 else 7
+    assert same(snap, kept)
+    codec.hydrate(session, 1, snap)
+    again = continue_slot(session, 1, more)
+    assert all(torch.equal(a, b) for a, b in zip(want, again))
+
+
+def _slot_state(session, slot):
+    return [session.seq_lens[slot]] + [c[slot].clone() for c in session.caches.values()]
+
+
+def test_hydrate_refuses_another_package_before_writing(fused_pkg, small_pkg, session):
+    gen = torch.Generator().manual_seed(5)
+    prompt = random_tokens(gen, 70)
+    Decoder(session).prefill(0, prompt)
+    snap = SnapshotCodec(fused_pkg).capture(session, 0, prompt)
+    small_session = small_pkg.session(slots=1, max_rows=1)
+    Decoder(small_session).prefill(0, prompt[:10])
+    before = _slot_state(small_session, 0)
+    with pytest.raises(SnapshotMismatch, match="another package"):
+        SnapshotCodec(small_pkg).hydrate(small_session, 0, snap)
+    with pytest.raises(SnapshotMismatch, match="another package"):
+        SnapshotCodec(fused_pkg).hydrate(small_session, 0, snap)
+    after = _slot_state(small_session, 0)
+    assert before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1:], after[1:]))
+
+
+def test_hydrate_refuses_records_that_do_not_fit_the_layout(fused_pkg, session):
+    gen = torch.Generator().manual_seed(6)
+    prompt = random_tokens(gen, 130)
+    codec = SnapshotCodec(fused_pkg)
+    Decoder(session).prefill(0, prompt)
+    snap = codec.capture(session, 0, prompt)
+    Decoder(session).prefill(3, prompt[:3])
+    before = _slot_state(session, 3)
+    bad_meta = {**snap.meta, "cache.layer0.window": {**snap.meta["cache.layer0.window"], "ring_index": 0}}
+    bad_rows = {**snap.caches, "cache.layer2.compressed": snap.caches["cache.layer2.compressed"][:-1]}
+    missing = {k: v for k, v in snap.caches.items() if k != "cache.draft1.window"}
+    for label, broken in (("ring index", {"meta": bad_meta}), ("row count", {"caches": bad_rows}),
+                          ("missing draft ring", {"caches": missing})):
+        fields = {**snap.__dict__, **broken}
+        with pytest.raises(SnapshotMismatch):
+            codec.hydrate(session, 3, type(snap)(**fields))
+    after = _slot_state(session, 3)
+    assert before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1:], after[1:]))
+
+
+def test_capture_needs_the_slot_to_hold_exactly_the_tokens(fused_pkg, session):
+    Decoder(session).prefill(0, [1, 2, 3, 4])
+    codec = SnapshotCodec(fused_pkg)
+    with pytest.raises(SnapshotError, match="4 committed tokens"):
+        codec.capture(session, 0, [1, 2, 3])
+    with pytest.raises(SnapshotError, match="out of range"):
+        codec.capture(session, 4, [1, 2, 3, 4])  # the scratch slot belongs to no request
+
+
+def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(fused_pkg):
+    layout = package_layout(fused_pkg)
+    kinds = {name: (k.kind, k.window) for name, k in layout.items()}
+    assert kinds["cache.layer0.window"] == ("ring", True) and kinds["cache.draft1.window"] == ("ring", True)
+    assert kinds["cache.layer2.state"] == ("ring", False) and kinds["cache.layer4.compressed"] == ("append", False)
+    assert kinds["cache.layer4.index"] == ("append", False)
+    assert "cache.layer5.compressed" not in kinds  # a Reindex layer owns only its window
+    assert fused_pkg.manifest["model"]["capabilities"] == {"supports_prefix_snapshot": True,
+                                                           "supports_rotating_cache_snapshot": True}
+    specs = [BufferSpec("cache.layer0.window", "cache", "uint8", ("slots", 128, 66)),
+             BufferSpec("cache.layer0.index_keys", "cache", "uint8", ("slots", 512, 68))]
+    with pytest.raises(LayoutError, match="cache.layer0.index_keys"):
+        cache_layout(specs, [0], 1024)
+    assert capabilities(specs, [0], 1024) == {"supports_prefix_snapshot": False,
+                                              "supports_rotating_cache_snapshot": False}
