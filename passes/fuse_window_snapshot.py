@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.passes.pair_rewrite import PairRewrite
-from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (registers the op set)
+from b12x_toolchain.runtime.ops.opset import ops as b12x
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
 
-b12x = torch.ops.b12x
 
 
 def _qualified(snapshot: dict, append: dict) -> None:

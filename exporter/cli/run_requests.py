@@ -14,12 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from b12x_toolchain.runtime.serving.requests import Request
+from b12x_toolchain.exporter.errors import PromptError  # noqa: F401  (re-exported)
 
 JSON_KEYS = ("prompt", "max_new_tokens", "stop", "id", "seed")
-
-
-class PromptError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,10 @@ import yaml
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import parse_recipe
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.exporter.errors import VerifyError  # noqa: F401  (re-exported)
 
 
 PASS_ORDER = ("prefill", "verify", "draft", "commit")
-
-
-class VerifyError(ValueError):
-    """The packages cannot be compared (different ABI, unknown inputs)."""
 
 
 @dataclass(frozen=True)

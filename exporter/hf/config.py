@@ -19,6 +19,7 @@ import math
 import re
 from pathlib import Path
 from typing import Any
+from b12x_toolchain.exporter.errors import HfConfigError  # noqa: F401  (re-exported)
 
 __all__ = ["HfConfigError", "model_fields", "read_config", "recipe_from_hf_config", "recipe_name", "tied_embeddings"]
 
@@ -34,11 +35,6 @@ ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 # Accepted and ignored, as transformers' V4 ignores them: it fixes attention_factor at 1.0
 # (so mscale cannot matter) and reads `truncate` from a level V4 never writes it to.
 YARN_IGNORED = {"mscale", "mscale_all_dim", "truncate"}
-
-
-class HfConfigError(ValueError):
-    """config.json cannot be read, or cannot describe a b12x V4 model; the message starts with
-    the file or the key at fault."""
 
 
 def read_config(path) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.formats.layout import staging_shape
 
 
-
 def state_span(kind: str, ratio: int) -> int:
     return 2 * ratio if kind == "csa" else ratio
 

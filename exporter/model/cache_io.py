@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.ops.opset import ops
 
-ops = torch.ops.b12x
 STATE_FORMAT = "fp32"
 
 

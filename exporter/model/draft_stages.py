@@ -3,12 +3,9 @@ verify stages for each position and commit makes persistent for the accepted one
 
 from __future__ import annotations
 
-import torch
-
 from b12x_toolchain.exporter.model.buffers import window_staging
 from b12x_toolchain.runtime.package.abi import BufferSpec
-
-ops = torch.ops.b12x
+from b12x_toolchain.runtime.ops.opset import ops
 
 
 class DraftStages:

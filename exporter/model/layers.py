@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from b12x_toolchain.exporter.model.blocks import (attend_with_sink, grouped_out, hc_head, hc_merge, hc_mix, inv_freq, mask_unseen, moe,
                                   pool, rms_norm, rope, rope_angles, top_k_mask, unit_rms_norm)
 from b12x_toolchain.exporter.model.cache_io import _before
-
-ops = torch.ops.b12x
+from b12x_toolchain.runtime.ops.opset import ops
 
 
 class Shared:

@@ -16,8 +16,7 @@ from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.formats.codecs import get_format
-
-ops = torch.ops.b12x
+from b12x_toolchain.runtime.ops.opset import ops
 
 
 def hidden_width(d) -> int:

@@ -16,8 +16,7 @@ from b12x_toolchain.exporter.model.dspark import DSparkDrafter
 from b12x_toolchain.exporter.model.layers import DeepSeekCompute, Shared
 from b12x_toolchain.exporter.model.mtp import MtpDrafter
 from b12x_toolchain.runtime.package.abi import BufferSpec
-
-ops = torch.ops.b12x
+from b12x_toolchain.runtime.ops.opset import ops
 
 
 class DeepSeekPass(DeepSeekCompute):

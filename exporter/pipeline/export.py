@@ -21,12 +21,9 @@ from b12x_toolchain.runtime.package.abi import fingerprint
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.package.reader import FORMAT_VERSION
 from b12x_toolchain.runtime.prefix.snapshot import capabilities as snapshot_capabilities
+from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
 
 FLASHINFER_PIN = "0.7.4"  # the `cuda` extra pins exactly this version
-
-
-class ExportError(RuntimeError):
-    pass
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from b12x_toolchain.exporter.errors import ExportError
 from b12x_toolchain.exporter.pipeline.capture import capture
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
@@ -50,7 +51,6 @@ class PassOutput:
 
 
 def export_pass(job: PassJob) -> PassOutput:
-    from b12x_toolchain.exporter.pipeline.export import ExportError
 
     started, cpu_started = time.perf_counter(), time.process_time()
     d = Dims.from_recipe(job.recipe)

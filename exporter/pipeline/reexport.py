@@ -18,10 +18,7 @@ import yaml
 
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import parse_recipe
-
-
-class ReexportError(ValueError):
-    """The package cannot be re-exported from what it records."""
+from b12x_toolchain.exporter.errors import ReexportError  # noqa: F401  (re-exported)
 
 
 @dataclass

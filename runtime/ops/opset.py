@@ -157,8 +157,12 @@ def _(values, fmt):
     return torch.empty_like(values, dtype=torch.float32)
 
 
+ops = getattr(torch.ops, NAMESPACE)
+"""The registered namespace: modules that call the ops import this name, which guarantees
+the registration above has run before any graph is built or loaded."""
+
 OPS = {
-    name: getattr(torch.ops.b12x, name).default
+    name: getattr(ops, name).default
     for name in ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
                  "window_commit", "write_rows", "gather_rows", "stage_rows", "read_rows",
                  "round_trip", "set_seq_len")

@@ -16,17 +16,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from b12x_toolchain.runtime.package.reader import PackageError
+from b12x_toolchain.runtime.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 INDEX_LIMIT = 64 << 20
 # safetensors dtype codes for the dtypes a calling convention may use (runtime/package/abi.py)
 DTYPE_CODES = {"F32": "float32", "BF16": "bfloat16", "I32": "int32", "I64": "int64", "U8": "uint8", "BOOL": "bool"}
-
-
-class CheckpointError(PackageError):
-    """The checkpoint cannot serve the package: names the tensor or file and what was expected."""
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

@@ -11,6 +11,8 @@ import io
 import json
 import zipfile
 
+from b12x_toolchain.runtime.errors import PackageError
+
 ARCHIVE_LIMIT = 1 << 30
 EMPTY_CONFIG = {"config": {}}
 ALLOWED = {
@@ -26,9 +28,7 @@ ALLOWED = {
 }
 
 
-
 def check_archive(name: str, data: bytes) -> None:
-    from b12x_toolchain.runtime.package.reader import PackageError
 
     def refuse(reason: str):
         raise PackageError(f"{name}: {reason}")
@@ -71,7 +71,6 @@ def check_graph_ops(name: str, graph) -> None:
     """A graph may call aten ops, the b12x op set and getitem: nothing that reaches files,
     processes or other libraries' ops (a replay must only compute)."""
     from b12x_toolchain.runtime.ops.opset import OPS
-    from b12x_toolchain.runtime.package.reader import PackageError
 
     known = set(OPS.values())
     for node in graph.nodes:

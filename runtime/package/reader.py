@@ -17,16 +17,14 @@ import torch
 from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (graphs need the op set registered)
 from b12x_toolchain.runtime.package.abi import BufferSpec, fingerprint
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
+from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
+from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 
 # major.minor: a newer major is refused, an older minor accepted. 1.1 added external
 # weights (structural packages: weights.external, weights.tensors).
 FORMAT_VERSION = "1.1"
 MANIFEST_LIMIT = 16 << 20
-
-
-class PackageError(ValueError):
-    """The package cannot be used: names the file or field and what was expected."""
 
 
 def _major_minor(text) -> tuple[int, int]:
@@ -197,8 +195,6 @@ def load(path, weights=None) -> Package:
     A structural package (external weights) loaded without `weights` can be inspected but
     not run: `Package.session` refuses until the weights are bound.
     """
-    from b12x_toolchain.runtime.package.weight_binding import bind_weights  # it raises PackageError: imported late
-
     root = Path(path)
     if not root.is_dir():
         raise PackageError(f"{root}: not a package directory")

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 from b12x_toolchain.runtime.package.checkpoint import read_checkpoint
-from b12x_toolchain.runtime.package.reader import PackageError
+from b12x_toolchain.runtime.errors import PackageError
 
 
 def weight_inputs(passes: dict) -> dict[str, tuple[str, tuple]]:

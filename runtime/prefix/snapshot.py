@@ -30,22 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from b12x_toolchain.runtime.prefix.keys import Identity, package_identity, token_bytes, token_hash, token_ids
+from b12x_toolchain.runtime.errors import SnapshotError, LayoutError  # noqa: F401  (re-exported)
 
 _LAYER = re.compile(r"^cache\.layer(\d+)\.(window|compressed|state|index|index_state)$")
 _DRAFT = re.compile(r"^cache\.draft(\d+)\.(window|hidden)$")
 SEQ_LEN = "cache.seq_len"
 
 
-class SnapshotError(ValueError):
-    """A snapshot cannot be taken or hydrated; the message names the cache and the value."""
-
-
 class SnapshotMismatch(SnapshotError):
     """The snapshot was made for another package or does not fit this layout."""
-
-
-class LayoutError(SnapshotError):
-    """The package has a cache the codec does not know how to snapshot."""
 
 
 @dataclass(frozen=True)

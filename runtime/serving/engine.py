@@ -25,7 +25,7 @@ import torch
 from b12x_toolchain.runtime.serving.requests import Request, RequestState, check_request
 from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
 from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
-from b12x_toolchain.runtime.serving.speculative import confident_drafts, confident_lengths
+from b12x_toolchain.runtime.serving.drafts import confident_drafts, confident_lengths
 
 DECODE_PASSES = ("draft", "verify", "commit")
 
@@ -75,6 +75,12 @@ class Engine:
 
     def submit(self, requests: Iterable[Request | list[int]]) -> list[RequestState]:
         """Queue requests; every one is checked first, so a bad one queues none of them."""
+        states = self.new_states(requests)
+        self.waiting.extend(states)
+        return states
+
+    def new_states(self, requests: Iterable[Request | list[int]]) -> list[RequestState]:
+        """Check requests and make their states, numbered in submission order; nothing is queued."""
         items = [r if isinstance(r, Request) else Request(prompt=r) for r in requests]
         labels = []
         for offset, request in enumerate(items):
@@ -93,7 +99,6 @@ class Engine:
             state = RequestState(label, list(request.prompt), request.max_new_tokens, frozenset(request.stop),
                                  _generator(seed), submitted_at=now)
             states.append(state)
-        self.waiting.extend(states)
         return states
 
     @property
@@ -127,7 +132,7 @@ class Engine:
             tail = [r for r in self.active if r.length + self.verify_width > self.max_seq_len]
             body = [r for r in self.active if r.length + self.verify_width <= self.max_seq_len]
             for group in _groups(body, self.decode_rows):
-                self._decode(group, stats)
+                self.decode_group(group, stats)
             for group in _groups(tail, self.prefill_rows):
                 self._decode_one(group, stats)
             stats.decode_seconds = time.perf_counter() - start
@@ -149,7 +154,7 @@ class Engine:
                 request.slot = slot
                 batch.append(request)
             start = time.perf_counter()
-            self._prefill(batch, stats)
+            self.prefill_batch(batch, stats)
             stats.prefill_seconds += time.perf_counter() - start
             stats.admitted += len(batch)
             for request in batch:
@@ -171,7 +176,7 @@ class Engine:
         stats.padding_rows += self.session.bucket_for(pass_name, rows).rows - rows
         return self.session.replay(pass_name, **values)
 
-    def _prefill(self, batch: list[RequestState], stats: StepStats) -> None:
+    def prefill_batch(self, batch: list[RequestState], stats: StepStats) -> None:
         """Prefill every prompt of the batch, chunk by chunk, the rows of one chunk together.
 
         With a prefix cache each row first hydrates its longest stored prefix, so rows
@@ -232,7 +237,7 @@ class Engine:
                                  f"[0, {self.vocab_size}), got {draft}")
         return drafts
 
-    def _decode(self, rows: list[RequestState], stats: StepStats) -> None:
+    def decode_group(self, rows: list[RequestState], stats: StepStats) -> None:
         """draft -> verify -> accept -> commit for one group of rows."""
         slots, positions = [r.slot for r in rows], [r.length for r in rows]
         check_rows(slots, self.slots)

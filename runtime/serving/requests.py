@@ -25,11 +25,11 @@ class Request:
 
 @dataclass
 class RequestState:
-    """A request inside the engine; `generate` returns these, finished, in submission order.
+    """A request's state, the one record of it the engine and the `Decoder` keep; `generate`
+    returns these, finished, in submission order.
 
     `length` tokens are committed to the slot's caches and `pending` is the next token,
-    already emitted but not yet in the caches (the same bookkeeping as `speculative.Row`,
-    so drafters written for the `Decoder` work here too).
+    already emitted but not yet in the caches. Drafters see these rows.
     """
 
     id: object

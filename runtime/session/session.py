@@ -14,13 +14,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from b12x_toolchain.runtime.package.abi import BufferSpec
-from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
+from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
 from b12x_toolchain.runtime.session.retarget import graph_on
 from b12x_toolchain.runtime.session.validate import BufferError, check_buffer, validate_inputs
 
-FUSED = torch.ops.b12x.window_snapshot_append.default
+FUSED = ops.window_snapshot_append.default
 
 
 class Bucket:
@@ -119,10 +119,6 @@ class Session:
         self.graphs.replay(pass_name, bucket)  # CUDA: one graph replay; CPU: the graph, run directly
         self._advance(pass_name, tensors)
         return {name: out[:n] for name, out in bucket.outputs.items()}
-
-    def generate(self, requests, **options) -> list:
-        """Serve requests over this session's slots; options and results as `engine.Engine`."""
-        return Engine(self, **options).generate(requests)
 
     def weights_for(self, info) -> dict:
         return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}

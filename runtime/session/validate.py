@@ -10,14 +10,7 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.runtime.package.abi import BufferSpec
-
-
-class BufferError(ValueError):
-    pass
-
-
-class InputError(ValueError):
-    pass
+from b12x_toolchain.runtime.errors import BufferError, InputError  # noqa: F401  (re-exported)
 
 
 def check_buffer(spec: BufferSpec, tensor, shape: tuple, device: torch.device) -> None:

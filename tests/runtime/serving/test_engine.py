@@ -8,30 +8,14 @@ import torch
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.runtime.serving.speculative import Decoder
+from near_ties import NEAR_TIE, first_difference
 from conftest import poison, random_tokens
 
-NEAR_TIE = 1e-5
 REQUESTS, SLOTS = 64, 8
 COUNTERS = ("rows", "padding_rows", "drafted", "accepted", "bonus", "prefill_tokens", "admitted", "retired",
             "slot_reuse", "generated")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def first_difference(got, want, margins):
-    """None when `got` is `want`; the index of a first difference at a near tie; fails otherwise.
-
-    Different batch shapes (rows buckets, chunks) may round differently, so a token may
-    differ where the reference's top two logits were within NEAR_TIE; after that the
-    sequences are free to part.
-    """
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            assert margins[i] < NEAR_TIE, (
-                f"token {i} differs ({a} vs greedy {b}) with top-2 margin {margins[i]:.3g} >= {NEAR_TIE}")
-            return i
-    assert len(got) == len(want), f"{len(got)} tokens instead of greedy's {len(want)}"
-    return None
 
 
 def greedy_alone(package, prompt, max_new_tokens):
@@ -164,9 +148,9 @@ def test_poisoning_the_scratch_slot_before_every_step_changes_nothing(fused_pkg)
         assert got.tokens == want.tokens and got.margins == want.margins
 
 
-def test_session_generate_takes_prompts_and_requests(fused_pkg):
+def test_engine_generate_takes_prompts_and_requests(fused_pkg):
     session = fused_pkg.session(slots=2)
-    states = session.generate([[5, 6, 7], Request([8], 3, id="x")])
+    states = Engine(session).generate([[5, 6, 7], Request([8], 3, id="x")])
     assert [s.id for s in states] == [0, "x"]
     assert len(states[0].tokens) == 32 and len(states[1].tokens) == 3
     want, margins = greedy_alone(fused_pkg, [5, 6, 7], 32)
