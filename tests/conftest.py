@@ -1,11 +1,18 @@
-"""Shared fixtures: packages of the tiny recipe, exported once per test run."""
+"""Shared fixtures: packages of the tiny recipe, exported once per test run.
+
+The suite runs in several worker processes (pytest-xdist); a package every worker needs
+is exported by the first worker that asks, under a file lock, into a folder all workers
+of the run share, and read by the others (exports are byte-identical across processes).
+"""
 
 from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 import torch
 import yaml
 
@@ -26,6 +33,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    """A folder shared by every worker of this test run (each worker has its own basetemp below it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (root / "shared").mkdir(exist_ok=True)
+    return root / "shared"
+
+
+def once_per_run(run_dir: Path, name: str, build) -> Path:
+    """`build(folder)` the first time any worker asks for `name`; its result path afterwards."""
+    folder = run_dir / name
+    done = folder / ".built"
+    with FileLock(str(folder) + ".lock"):
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            result = build(folder)
+            done.write_text(str(Path(result).relative_to(folder)))
+    return folder / done.read_text()
 
 
 @pytest.fixture(scope="session")
@@ -63,13 +91,13 @@ def small_recipe(tiny_recipe):
 
 
 @pytest.fixture(scope="session")
-def fused_path(tiny_recipe, tmp_path_factory):
-    return export_package(tiny_recipe, tmp_path_factory.mktemp("fused")).path
+def fused_path(tiny_recipe, run_dir):
+    return once_per_run(run_dir, "fused", lambda out: export_package(tiny_recipe, out).path)
 
 
 @pytest.fixture(scope="session")
-def unfused_path(tiny_recipe, tmp_path_factory):
-    return export_package(tiny_recipe, tmp_path_factory.mktemp("unfused"), fuse=False).path
+def unfused_path(tiny_recipe, run_dir):
+    return once_per_run(run_dir, "unfused", lambda out: export_package(tiny_recipe, out, fuse=False).path)
 
 
 @pytest.fixture(scope="session")
@@ -106,25 +134,30 @@ def random_tokens(gen: torch.Generator, count: int, vocab: int = 512) -> list[in
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tiny_recipe, tmp_path_factory):
+def checkpoint_dir(tiny_recipe, run_dir):
     """The tiny recipe's weights as a checkpoint: safetensors shards, an index with sha256."""
     from b12x_toolchain.exporter.pipeline.checkpoint_index import write_checkpoint
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.weights import init_weights
 
-    weights = init_weights(Dims.from_recipe(tiny_recipe), tiny_recipe.model.init_seed)
-    return write_checkpoint(weights, tmp_path_factory.mktemp("checkpoint"), shard_bytes=1 << 20)
+    def build(out):
+        weights = init_weights(Dims.from_recipe(tiny_recipe), tiny_recipe.model.init_seed)
+        return write_checkpoint(weights, out, shard_bytes=1 << 20)
+
+    return once_per_run(run_dir, "checkpoint", build)
 
 
 @pytest.fixture(scope="session")
-def structural_path(tiny_recipe, checkpoint_dir, tmp_path_factory):
+def structural_path(tiny_recipe, checkpoint_dir, run_dir):
     """The tiny recipe exported without weights (two jobs), checksums from the checkpoint's
     index; the graph after every rewrite is dumped into the sibling folder `dump`."""
     from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.weights import weight_shapes
 
-    root = tmp_path_factory.mktemp("structural")
-    checksums = index_checksums(checkpoint_dir, weight_shapes(Dims.from_recipe(tiny_recipe)))
-    return export_package(tiny_recipe, root / "out", structural=True, checksums=checksums,
-                          dump_dir=root / "dump", jobs=2).path
+    def build(root):
+        checksums = index_checksums(checkpoint_dir, weight_shapes(Dims.from_recipe(tiny_recipe)))
+        return export_package(tiny_recipe, root / "out", structural=True, checksums=checksums,
+                              dump_dir=root / "dump", jobs=2).path
+
+    return once_per_run(run_dir, "structural", build)

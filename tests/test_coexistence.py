@@ -1,0 +1,153 @@
+"""This project and FlashInfer installed in one fresh environment, as a new user gets them.
+
+flashinfer-python's wheel ships a top-level `b12x` package (a shim onto its own kernels), the
+name this project once imported as. Each test makes a fresh venv, installs both real wheels in
+one order, and checks that neither touched the other's files and that both still work.
+torch and the other dependencies come from the dev venv through a .pth file, because
+installing them into every fresh venv would take minutes.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from b12x_toolchain.exporter.pipeline.export import FLASHINFER_PIN
+from paths import ROOT
+
+OURS = "b12x_toolchain"  # the dist-info prefix of b12x-toolchain
+FLASHINFER = "flashinfer_python"  # the dist-info prefix of flashinfer-python
+
+
+def cuda_extra_flashinfer_pin() -> str:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    cuda_extra = project["optional-dependencies"]["cuda"]
+    pins = [req.split("==", 1)[1] for req in cuda_extra if req.startswith("flashinfer-python==")]
+    assert len(pins) == 1, f"the cuda extra should pin flashinfer-python exactly (==) once: {cuda_extra}"
+    return pins[0]
+
+
+def test_manifest_flashinfer_pin_is_the_cuda_extras():
+    # Packages record FLASHINFER_PIN as versions.flashinfer_pin; it must name what users install.
+    assert FLASHINFER_PIN == cuda_extra_flashinfer_pin()
+
+
+def run_quietly(*command, failure: str = "", **kwargs) -> subprocess.CompletedProcess:
+    """Run a command with its output captured, and show that output only if it fails."""
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        pytest.fail(f"{failure}{' '.join(map(str, command))} exited {result.returncode}\n"
+                    f"--- stdout\n{result.stdout[-5000:]}\n--- stderr\n{result.stderr[-5000:]}", pytrace=False)
+    return result
+
+
+@pytest.fixture(scope="module")
+def flashinfer_wheel(tmp_path_factory) -> Path:
+    pin = cuda_extra_flashinfer_pin()
+    download_dir = tmp_path_factory.mktemp("flashinfer-wheel")  # pip's HTTP cache makes reruns fast
+    run_quietly(sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                "-d", download_dir, f"flashinfer-python=={pin}",
+                failure=f"could not download flashinfer-python=={pin}: this test needs PyPI "
+                        f"(network access) or pip's cache to hold that wheel.\n")
+    (wheel,) = download_dir.glob(f"{FLASHINFER}-{pin}-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def project_wheel(tmp_path_factory) -> Path:
+    # Built from a copy of the tree: setuptools writes build/ and *.egg-info beside the sources,
+    # and a build/lib left from an earlier build would carry deleted modules into this wheel.
+    source = tmp_path_factory.mktemp("source") / "b12x-toolchain"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist", "*.egg-info",
+        "out", "*.b12x"))
+    wheel_dir = tmp_path_factory.mktemp("project-wheel")
+    run_quietly(sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
+                "-w", wheel_dir, source)
+    (wheel,) = wheel_dir.glob(f"{OURS}-*.whl")
+    return wheel
+
+
+def record_paths_and_hashes(site_packages: Path, dist: str) -> dict[Path, str]:
+    """The files an installed distribution's RECORD lists (resolved), each with its recorded hash."""
+    (record,) = site_packages.glob(f"{dist}-*.dist-info/RECORD")
+    with record.open(newline="") as rows:
+        return {(site_packages / path).resolve(): digest for path, digest, _size in csv.reader(rows)}
+
+
+def record_digest(path: Path) -> str:
+    """A file's hash as RECORD writes it: sha256, urlsafe base64 without padding."""
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def damaged_files(listed: dict[Path, str]) -> list[str]:
+    damaged = []
+    for path, digest in listed.items():
+        if not path.is_file():
+            damaged.append(f"{path}: missing")
+        elif digest and record_digest(path) != digest:  # RECORD lists itself with no hash
+            damaged.append(f"{path}: changed")
+    return damaged
+
+
+# What `import b12x_toolchain` finds in the fresh venv, and whether the dev venv's editable install
+# (an import hook its __editable__ .pth would install) came along through the .pth path.
+IMPORT_PROBE = """
+import json, sys
+import b12x_toolchain
+from b12x_toolchain.runtime import load
+print(json.dumps({"file": b12x_toolchain.__file__,
+                  "editable_hooks": sorted(m for m in sys.modules if m.startswith("__editable__"))}))
+"""
+
+
+@pytest.mark.parametrize("install_order", [("flashinfer", "ours"), ("ours", "flashinfer")],
+                         ids=["flashinfer-first", "ours-first"])
+def test_installs_side_by_side(install_order, flashinfer_wheel, project_wheel, tmp_path):
+    venv = tmp_path / "venv"
+    run_quietly(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    # No PYTHONPATH, and a cwd outside the repository: neither may put its sources on sys.path.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    in_venv = dict(cwd=tmp_path, env=env)
+    wheels = {"flashinfer": flashinfer_wheel, "ours": project_wheel}
+    for name in install_order:
+        # --no-compile: byte-compiling FlashInfer's ~14,000 modules is 2/3 of its install time.
+        run_quietly(python, "-m", "pip", "install", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", wheels[name], **in_venv)
+    print_paths = "import json, sysconfig; print(json.dumps(sysconfig.get_paths()))"
+    venv_paths = json.loads(run_quietly(python, "-c", print_paths, **in_venv).stdout)
+    site_packages = Path(venv_paths["purelib"]).resolve()
+    # Written after the installs, so that pip saw only the fresh venv. Python does not scan a
+    # directory a .pth adds for .pth files, so the dev venv's editable install stays out.
+    (site_packages / "dev-venv-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    imported = json.loads(run_quietly(python, "-c", IMPORT_PROBE, **in_venv).stdout)
+    assert Path(imported["file"]).resolve().is_relative_to(site_packages), imported
+    assert imported["editable_hooks"] == []
+
+    ours = record_paths_and_hashes(site_packages, OURS)
+    theirs = record_paths_and_hashes(site_packages, FLASHINFER)
+    shim = site_packages / "b12x" / "__init__.py"
+    assert shim in theirs and shim not in ours
+    assert ours.keys() & theirs.keys() == set()
+    assert damaged_files(theirs) == []
+    assert damaged_files(ours) == []
+
+    if install_order[0] == "flashinfer":  # once, on the order a vLLM environment has
+        b12x = Path(venv_paths["scripts"]) / "b12x"
+        run_quietly(b12x, "export", "--recipe", "dsv41-tiny", "--out", tmp_path / "out", **in_venv)
+        run_quietly(b12x, "run", tmp_path / "out" / "dsv41-tiny.b12x", "--prompt-ids", "1,2,3,4",
+                    "--max-new-tokens", "4", **in_venv)
