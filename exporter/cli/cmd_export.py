@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -79,14 +80,72 @@ def _checkpoint_weights(directory, recipe):
         raise CheckpointError(f"checkpoint {directory}: {exc}") from None
 
 
+def _load(recipe_source):
+    """The recipe `--recipe` names; a missing NAME.yaml that is a bundled name loads that recipe, saying so."""
+    from b12x_toolchain.exporter.recipe.loader import bundled_fallback, load_recipe
+
+    bundled = bundled_fallback(recipe_source)
+    if bundled is not None:
+        click.echo(f"{recipe_source}: no such file; using the bundled recipe {bundled}", err=True)
+    return load_recipe(bundled or recipe_source)
+
+
+def _size(count: int) -> str:
+    """A byte count as a person reads it: 1000 bytes, 9.8 MiB, 1.2 TiB."""
+    value = float(count)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{count} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _weight_budget(max_weight_bytes):
+    """(bytes, what they are) random weights may take; (None, "") when memory is unknown."""
+    if max_weight_bytes is not None:
+        return max_weight_bytes, "--max-weight-bytes"
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None, ""
+    # A quarter: export holds the tensors and their serialized safetensors copy at once, beside capture.
+    return memory // 4, f"a quarter of the {_size(memory)} of physical memory"
+
+
+def _structural_for_size(recipe, weights_mode, max_weight_bytes) -> bool:
+    """True when random weights would not fit the budget; fails when they were asked for explicitly.
+
+    Runs before anything is allocated: a full-size recipe's random weights would otherwise
+    die in the allocator or take all memory.
+    """
+    from b12x_toolchain.exporter.model.weights import random_weight_bytes
+    from b12x_toolchain.exporter.recipe.dims import Dims
+
+    size = random_weight_bytes(Dims.from_recipe(recipe))
+    budget, what = _weight_budget(max_weight_bytes)
+    if budget is None or size <= budget:
+        return False
+    over = f"{recipe.name}: random weights take {_size(size)}, over the budget of {_size(budget)} ({what})"
+    if weights_mode == "init":
+        fail(f"{over}; use --weights none (structural export), --checkpoint DIR (real weights) "
+             f"or a larger --max-weight-bytes")
+    click.echo(f"{over}; exporting structurally (weights external); --weights init with a larger "
+               f"--max-weight-bytes forces random weights, --checkpoint DIR takes real ones", err=True)
+    return True
+
+
 @click.command()
 @click.option("--recipe", "recipe_source", help="Bundled recipe name (dsv41-tiny) or a YAML path.")
 @click.option("--out", "out_dir", default="out", show_default=True, type=click.Path(file_okay=False),
               help="Directory the NAME.b12x package is written into.")
 @click.option("--no-fuse", is_flag=True, help="Skip the rewrite pipeline (reference package).")
 @click.option("--weights", "weights_mode", type=click.Choice(["init", "none"]),
-              help="init (default): random weights from the recipe's init_seed, stored in the package. "
-                   "none: structural export, no weights stored; runtime.load(pkg, weights=DIR) binds them.")
+              help="init: random weights from the recipe's init_seed, stored in the package (the default when "
+                   "they fit --max-weight-bytes, else a structural export). none: structural export, no weights "
+                   "stored; runtime.load(pkg, weights=DIR) binds them.")
+@click.option("--max-weight-bytes", type=click.IntRange(min=0),
+              help="Most bytes random weights may take; default a quarter of physical memory. Larger ones export "
+                   "structurally, or fail with --weights init, before anything is allocated.")
 @click.option("--weights-index", type=click.Path(exists=True),
               help="With --weights none: a checkpoint directory or its model.safetensors.index.json. Every "
                    "weight must be in its weight_map; its sha256 map is recorded for load to check.")
@@ -101,11 +160,11 @@ def _checkpoint_weights(directory, recipe):
               help="Write every pass's graph as captured and after each rewrite to DIR/PASS/NN-STAGE.txt.")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
               help="Passes exported at once, each in a worker process; the bytes are the same for any N.")
-def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, checkpoint_dir, check_path, dump_passes,
-           jobs):
+def export(recipe_source, out_dir, no_fuse, weights_mode, max_weight_bytes, weights_index, checkpoint_dir, check_path,
+           dump_passes, jobs):
     """Capture every pass of a recipe, rewrite it and write a package."""
     from b12x_toolchain.exporter.pipeline.export import ExportError, export_package
-    from b12x_toolchain.exporter.recipe.loader import RecipeError, load_recipe
+    from b12x_toolchain.exporter.recipe.loader import RecipeError
     from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 
     if weights_index is not None and weights_mode != "none" and check_path is None:
@@ -117,10 +176,11 @@ def export(recipe_source, out_dir, no_fuse, weights_mode, weights_index, checkpo
     if checkpoint_dir is not None and (weights_mode is not None or weights_index is not None or check_path is not None):
         fail("--checkpoint supplies the weights; drop --weights, --weights-index and --check")
     try:
-        recipe = load_recipe(recipe_source) if recipe_source is not None else None
+        recipe = _load(recipe_source) if recipe_source is not None else None
         if check_path is not None:
             return _check(check_path, recipe, weights_index, dump_passes, jobs)
-        structural = weights_mode == "none"
+        structural = weights_mode == "none" or (
+            checkpoint_dir is None and _structural_for_size(recipe, weights_mode, max_weight_bytes))
         checksums = _checksums(weights_index, recipe) if weights_index is not None else None
         weights, source = _checkpoint_weights(checkpoint_dir, recipe) if checkpoint_dir is not None else (None, None)
     except (RecipeError, CheckpointError) as exc:

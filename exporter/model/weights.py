@@ -11,6 +11,8 @@ CSA2 role owns caches (Full), and indexer queries where they rank (Full, Reindex
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from b12x_toolchain.exporter.recipe.dims import Dims
@@ -156,3 +158,13 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
 
 def weight_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
     return {name: shape for name, (shape, _) in weight_specs(d).items()}
+
+
+def random_weight_bytes(d: Dims) -> int:
+    """Bytes `init_weights(d, ...)` would allocate, from the shapes and dtypes alone.
+
+    A full-size recipe's random weights take over a terabyte; export draws them all before
+    capturing anything, so the caller checks this number against memory first instead of
+    finding out in the allocator.
+    """
+    return sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in weight_specs(d).values())

@@ -29,7 +29,7 @@ from b12x_toolchain.exporter.recipe.yaml_source import MAX_DOCUMENT_BYTES, Lines
 
 __all__ = [
     "KNOWN_REWRITES", "PASS_NAMES", "Recipe", "RecipeError",
-    "bundled_recipes", "load_recipe", "parse_recipe",
+    "bundled_fallback", "bundled_recipes", "load_recipe", "parse_recipe",
 ]
 
 KNOWN_REWRITES = ("fuse_window_snapshot",)
@@ -235,6 +235,23 @@ def bundled_recipes() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in files("b12x_toolchain.recipes").iterdir() if p.name.endswith(".yaml"))
 
 
+def bundled_fallback(source: str | os.PathLike[str]) -> str | None:
+    """The bundled recipe a missing ``NAME.yaml`` (or ``NAME.yml``) stands for, else None.
+
+    ``b12x export --recipe dsv41.yaml`` is how the project card spells it; on a fresh
+    install no such file is in the working directory and the user means the bundled
+    recipe. An existing file always wins, and ``load_recipe`` itself stays literal: the
+    caller decides to substitute the name and says so.
+    """
+    text = os.fspath(source)
+    if os.path.lexists(text):
+        return None
+    for suffix in (".yaml", ".yml"):
+        if text.endswith(suffix) and text[: -len(suffix)] in bundled_recipes():
+            return text[: -len(suffix)]
+    return None
+
+
 def _is_path(source: str) -> bool:
     return (
         os.path.exists(source)
@@ -260,8 +277,10 @@ def load_recipe(source: str | os.PathLike[str]) -> Recipe:
 def _read_file(path: Path, label: str) -> bytes:
     try:
         if not path.is_file():
-            reason = "is not a regular file" if path.exists() else "does not exist"
-            raise RecipeError(label, None, "", f"recipe file {label} {reason}")
+            if path.exists():
+                raise RecipeError(label, None, "", f"recipe file {label} is not a regular file")
+            raise RecipeError(label, None, "", "recipe file does not exist; expected a YAML path or a bundled"
+                              f" recipe name: {', '.join(bundled_recipes())}")
         # Check the size before reading so a huge file is never loaded into memory.
         size = path.stat().st_size
         if size > MAX_DOCUMENT_BYTES:
