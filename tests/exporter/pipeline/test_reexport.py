@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml

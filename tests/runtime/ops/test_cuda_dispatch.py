@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from paths import ROOT
+
 OPS = ("window_snapshot", "cache_append", "window_snapshot_append", "window_read", "window_commit",
        "write_rows", "gather_rows", "stage_rows", "read_rows", "round_trip", "set_seq_len")
 
@@ -38,7 +40,7 @@ def test_every_op_of_the_set_has_a_backend():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only import path")
 def test_cpu_import_registers_nothing_and_imports_no_triton():
-    proc = _run("import sys; from b12x_toolchain.runtime import ops; import b12x_toolchain.runtime.session.session;"
+    proc = _run("import sys; from b12x_toolchain.runtime.ops import opset as ops; import b12x_toolchain.runtime.session.session;"
                 "print(ops.CUDA_KERNELS, 'triton' in sys.modules, 'flashinfer' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "False", "False"]
@@ -53,7 +55,6 @@ from b12x_toolchain.runtime.ops import triton_rows
 from b12x_toolchain.runtime.ops import triton_window
 from b12x_toolchain.runtime.ops import cuda_kernels
 from benchmarks.kernel_cases import window_case
-from paths import ROOT
 R = torch.ops.b12x
 
 def results():
