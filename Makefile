@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.b12x-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,19 @@ demo: setup
 	$(BIN)/b12x export --recipe dsv41-tiny --out out
 	$(BIN)/b12x run out/dsv41-tiny.b12x --prompt-ids 1,2,3,4,5,6,7,8 --max-new-tokens 32
 
-# One torch thread: the suite's tensors are tiny, and a second thread only adds contention
-# on a two-core machine (several tests also run child processes side by side).
+# One torch thread per process: the suite's tensors are tiny, and the two cores go to two
+# pytest workers instead (pytest-xdist; a module's tests stay on one worker, so its
+# module-scoped exports run once; tests/conftest.py shares the session's exports).
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope
+
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	$(PYTEST)
+
+# The inner loop (a developer convenience, not what CI runs): the tests that need no
+# exported package and no child process, in under three minutes.
+test-fast: setup
+	$(PYTEST) -m "not slow and not exports"
 
 bench: setup
 	$(BIN)/python benchmarks/run.py

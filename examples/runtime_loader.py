@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.serving.speculative import Decoder
+from b12x_toolchain.runtime import Decoder, load
 
 
 def main(path: str) -> None:

@@ -11,9 +11,7 @@ import sys
 
 import torch
 
-from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.serving.engine import Engine
-from b12x_toolchain.runtime.serving.requests import Request
+from b12x_toolchain.runtime import Engine, Request, load
 
 
 def main(path: str) -> None:

@@ -26,7 +26,26 @@ from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime import load
 
 
+# What makes a test cost seconds rather than milliseconds here: an exported package (a
+# shared one, or one its module exports itself) or a child process (torch's import alone
+# takes seconds). `make test-fast` leaves out what carries the `exports` marker.
+EXPORT_FIXTURES = {"fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir"}
+COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(")
+
+
+def _costly_module(module) -> bool:
+    source = Path(module.__file__).read_text()
+    return any(call in source for call in COSTLY_CALLS)
+
+
 def pytest_collection_modifyitems(config, items):
+    costly = {}
+    for item in items:
+        module = item.module
+        if module not in costly:
+            costly[module] = _costly_module(module)
+        if costly[module] or EXPORT_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.exports)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
