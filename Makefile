@@ -23,7 +23,7 @@ demo: setup
 # pytest workers instead (pytest-xdist; a module's tests stay on one worker, so its
 # module-scoped exports run once; tests/conftest.py shares the session's exports).
 WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 test: setup
 	$(PYTEST)

@@ -33,6 +33,7 @@ def benchmark(name: str):
 class Settings:
     repeat: int = 20  # timed A/B rounds per case
     warmup: int = 2  # untimed rounds first: the first replays pay one-off allocation and dispatch costs
+    packages: tuple | None = None  # (fused, unfused) package paths of the replay recipe, reused instead of exported
 
 
 @dataclass

@@ -26,7 +26,7 @@ from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime import load, read_manifest
 from b12x_toolchain.runtime.serving.speculative import Decoder
 
 from benchmarks.registry import Settings, benchmark, compare_counts, compare_timed
@@ -109,14 +109,26 @@ def case_name(pass_name: str, rows: int, bucket: int) -> str:
     return f"{pass_name} rows={rows}" + (f" (bucket {bucket})" if bucket != rows else "")
 
 
+def packages(recipe, settings: Settings):
+    """The fused and unfused packages of `recipe`: the ones `--packages` names, else fresh exports."""
+    if settings.packages is not None:
+        for path, fused in zip(settings.packages, (True, False)):
+            manifest = read_manifest(path)  # checked before anything is loaded
+            if manifest["recipe_sha256"] != recipe.sha256() or bool(manifest["rewrites"]["pipeline"]) != fused:
+                raise SystemExit(f"--packages: {path} is not the {'fused' if fused else 'unfused'} "
+                                 f"export of the {RECIPE} recipe")
+        return [load(path) for path in settings.packages]
+    with tempfile.TemporaryDirectory(prefix="b12x-bench-") as tmp:
+        # load() reads every file into memory, so the packages outlive their directory.
+        return (load(export_package(recipe, Path(tmp) / "fused", fuse=True).path),
+                load(export_package(recipe, Path(tmp) / "unfused", fuse=False).path))
+
+
 @benchmark("replay")
 def replay_benchmark(settings: Settings) -> list:
     recipe = load_recipe(RECIPE)
     dims = Dims.from_recipe(recipe)
-    with tempfile.TemporaryDirectory(prefix="b12x-bench-") as tmp:
-        fused_pkg = load(export_package(recipe, Path(tmp) / "fused", fuse=True).path)
-        unfused_pkg = load(export_package(recipe, Path(tmp) / "unfused", fuse=False).path)
-    # load() reads every file into memory, so the packages outlive their directory.
+    fused_pkg, unfused_pkg = packages(recipe, settings)
 
     results = node_counts(fused_pkg.manifest, unfused_pkg.manifest)
     fused, unfused = prefilled_session(fused_pkg), prefilled_session(unfused_pkg)

@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", metavar="N", type=int,
                         help="torch intra-op threads (default: torch's own choice); on a machine busy with "
                              "other work, 1 avoids threads waiting on each other and steadies the timings")
+    parser.add_argument("--packages", metavar="PKG", type=Path, nargs=2,
+                        help="replay: reuse these fused and unfused packages of its recipe instead of exporting them")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
         parser.error("--repeat and --threads must be at least 1, --warmup at least 0")
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     # Piped output would otherwise wrap at 80 columns and split every row in two.
     console = Console(width=None if sys.stdout.isatty() else 120)
     load_before = load_average()
-    settings = Settings(repeat=args.repeat, warmup=args.warmup)
+    settings = Settings(repeat=args.repeat, warmup=args.warmup,
+                        packages=tuple(args.packages) if args.packages else None)
     measurements = run(known, names, settings, console)
     console.print(table(measurements))
 

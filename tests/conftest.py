@@ -29,7 +29,7 @@ from b12x_toolchain.runtime import load
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
 # shared one, or one its module exports itself) or a child process (torch's import alone
 # takes seconds). `make test-fast` leaves out what carries the `exports` marker.
-EXPORT_FIXTURES = {"fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir"}
+EXPORT_FIXTURES = {"small_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir"}
 COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(")
 
 
@@ -107,6 +107,11 @@ SMALL = {  # one window-only and one ratio-2 (Full) layer, one draft stage: expo
 @pytest.fixture(scope="session")
 def small_recipe(tiny_recipe):
     return recipe_variant(tiny_recipe, SMALL, name="dsv41-small")
+
+
+@pytest.fixture(scope="session")
+def small_path(small_recipe, run_dir):
+    return once_per_run(run_dir, "small", lambda out: export_package(small_recipe, out).path)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from b12x_toolchain.exporter.cli.cmd_verify import verify
 
 
 @click.group()
-@click.version_option(package_name="b12x")
+@click.version_option(package_name="b12x-toolchain")
 def main():
     """Export speculative-decoding passes as versioned packages and replay them."""
 

@@ -32,10 +32,12 @@ def run_runner(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_runner_writes_every_replay_case(tmp_path):
+def test_runner_writes_every_replay_case(fused_path, unfused_path, tmp_path):
     out = tmp_path / "bench.json"
     # One thread: the quickest and least contention-prone way through on a small machine.
-    proc = run_runner("--only", "replay", "--repeat", "1", "--warmup", "0", "--threads", "1", "--json", str(out))
+    # The session's packages of the replay recipe stand in for the runner's own exports.
+    proc = run_runner("--only", "replay", "--repeat", "1", "--warmup", "0", "--threads", "1", "--json", str(out),
+                      "--packages", str(fused_path), str(unfused_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for column in ("benchmark", "case", "baseline", "candidate", "ratio"):
         assert column in proc.stdout
@@ -151,3 +153,14 @@ def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
     assert spec["b12x_acceptance_rate"] == 1.0 and spec["b12x_tokens_per_step"] == 8.0 and spec["b12x_steps"] == 2
     assert prefill["first_token_agrees"] and prefill["b12x_replays"] == 2
     assert table(results).row_count == len(results)
+
+
+def test_replay_refuses_packages_that_are_not_its_fused_and_unfused_exports(fused_path, unfused_path):
+    from benchmarks.registry import Settings
+    from benchmarks.replay import RECIPE, packages
+    from b12x_toolchain.exporter.recipe.loader import load_recipe
+
+    # The runner test above replays the right pair; swapped, they are refused before loading.
+    recipe = load_recipe(RECIPE)
+    with pytest.raises(SystemExit, match="is not the fused export of the dsv41-tiny recipe"):
+        packages(recipe, Settings(packages=(unfused_path, fused_path)))

@@ -78,8 +78,8 @@ def test_session_refuses_a_fused_graph_for_an_unqualified_history(small_recipe, 
 
 
 @pytest.fixture(scope="module")
-def small_pkg(small_recipe, tmp_path_factory):
-    return load(export_package(small_recipe, tmp_path_factory.mktemp("small")).path)
+def small_pkg(small_path):
+    return load(small_path)
 
 
 @pytest.mark.parametrize("tensor, message", [

@@ -17,11 +17,6 @@ from conftest import recipe_variant
 
 
 @pytest.fixture(scope="session")
-def small_path(small_recipe, tmp_path_factory):
-    return export_package(small_recipe, tmp_path_factory.mktemp("small")).path
-
-
-@pytest.fixture(scope="session")
 def small_pkg(small_path):
     return load(small_path)
 
