@@ -10,13 +10,13 @@ session sees it, so a wrong checkpoint fails at load, naming the tensor, never a
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from b12x_toolchain.runtime.errors import CheckpointError
+from b12x_toolchain.runtime.strict_json import load_document
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -47,10 +47,8 @@ def weight_map(root) -> dict[str, Path]:
     if index.is_file():
         if index.stat().st_size > INDEX_LIMIT:
             raise CheckpointError(f"{INDEX}: larger than {INDEX_LIMIT} bytes")
-        try:
-            mapping = json.loads(index.read_bytes()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-            raise CheckpointError(f"{INDEX}: not a JSON object with a weight_map ({exc})") from None
+        document = load_document(index.read_bytes(), INDEX, CheckpointError)  # strict: no duplicate keys
+        mapping = document.get("weight_map") if isinstance(document, dict) else None
         if not isinstance(mapping, dict):
             raise CheckpointError(f"{INDEX}: 'weight_map' is missing or not an object")
         return {name: _shard(root, shard, name) for name, shard in mapping.items()}

@@ -8,10 +8,11 @@ files. Anything else â€” in particular a pickle that torch.load would unpickle â
 from __future__ import annotations
 
 import io
-import json
 import zipfile
 
 from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.package.graph_json import check_graph_json
+from b12x_toolchain.runtime.strict_json import load_document
 
 ARCHIVE_LIMIT = 1 << 30
 EMPTY_CONFIG = {"config": {}}
@@ -52,13 +53,10 @@ def check_archive(name: str, data: bytes) -> None:
         body = archive.read(entry)
         if kind == "empty" and body:
             refuse(f"archive entry {entry.filename!r} must be empty (no pickled sample inputs)")
-        if kind in ("json", "empty-config"):
-            try:
-                parsed = json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                refuse(f"archive entry {entry.filename!r} is not valid JSON")
-            if kind == "empty-config" and parsed != EMPTY_CONFIG:
-                refuse(f"archive entry {entry.filename!r} declares weights or constants; expected none")
+        if kind == "json":  # the graph: every string torch would resolve is checked first
+            check_graph_json(name, body)
+        if kind == "empty-config" and load_document(body, f"{name}: {entry.filename}") != EMPTY_CONFIG:
+            refuse(f"archive entry {entry.filename!r} declares weights or constants; expected none")
     if "archive/models/model.json" not in names:
         refuse("archive has no archive/models/model.json graph")
 

@@ -1,14 +1,21 @@
 """Read a package: versions, file hashes and calling conventions are checked before use.
 
-Loading never executes code from the package: the manifest is JSON, weights are
-safetensors, and graphs are torch.export archives whose entries are checked (no pickled
-objects beyond the canonical empty sample-inputs record) before they are deserialised.
+Loading never executes code from the package: the manifest is strict JSON, weights are
+safetensors, and graphs are torch.export archives whose entries and graph JSON are
+checked (no pickles, only allowed ops and plain data; runtime/package/graph_json.py)
+before they are deserialised. A package is a tree of plain files and directories: links,
+FIFOs, sockets and devices below its root are refused by name, and every file is opened
+without following links. The root itself may be a symbolic link (deployments switch a
+`current` link between versions); it is resolved once, when loading starts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +27,7 @@ from b12x_toolchain.runtime.package.graph_archive import check_archive, check_gr
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
+from b12x_toolchain.runtime.strict_json import load_document
 
 # major.minor: a newer major is refused, an older minor accepted. 1.1 added external
 # weights (structural packages: weights.external, weights.tensors).
@@ -70,20 +78,42 @@ class Package:
         return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers)
 
 
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def read_plain_file(path: Path, label: str, limit: int | None = None) -> bytes:
+    """The bytes of a regular file, opened without following a link and checked on the open
+    descriptor (a file swapped for a link or a FIFO after a listing is still refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise PackageError(f"{label}: listed in manifest.json but missing") from None
+    except OSError as exc:  # ELOOP: the name is a symbolic link
+        mode = os.lstat(path).st_mode if os.path.lexists(path) else 0
+        raise PackageError(f"{label}: is {_kind(mode)}; packages hold plain files only ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise PackageError(f"{label}: is {_kind(info.st_mode)}; packages hold plain files only")
+        if limit is not None and info.st_size > limit:
+            raise PackageError(f"{label}: {info.st_size} bytes exceeds the {limit} byte limit")
+        return handle.read()
+
+
 def _read_manifest(root: Path) -> dict:
     path = root / "manifest.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise PackageError(f"{root}: no manifest.json; is this a b12x package?")
     return _read_manifest_file(path)
 
 
 def _read_manifest_file(path: Path) -> dict:
-    if path.stat().st_size > MANIFEST_LIMIT:
-        raise PackageError(f"manifest.json: {path.stat().st_size} bytes exceeds the {MANIFEST_LIMIT} byte limit")
-    try:
-        manifest = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PackageError(f"manifest.json: not valid JSON ({exc})") from None
+    manifest = load_document(read_plain_file(path, "manifest.json", MANIFEST_LIMIT), "manifest.json")
     if not isinstance(manifest, dict):
         raise PackageError("manifest.json: top level is not an object")
     return manifest
@@ -117,10 +147,10 @@ def read_manifest(path) -> dict:
     that compare calling conventions use (a committed manifest stands for its package).
     """
     path = Path(path)
-    if path.is_file():
-        manifest = _read_manifest_file(path)
+    if path.is_file():  # a manifest named on its own may be a link, like a package root
+        manifest = _read_manifest_file(path.resolve())
     elif path.is_dir():
-        manifest = _read_manifest(path)
+        manifest = _read_manifest(path.resolve())
     else:
         raise PackageError(f"{path}: neither a package directory nor a manifest.json")
     _check_versions(manifest)
@@ -141,13 +171,28 @@ def _check_fingerprint(manifest: dict) -> dict:
 def _safe_member(root: Path, name: str) -> Path:
     if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts or "\\" in name:
         raise PackageError(f"manifest.json: file name {name!r} points outside the package")
-    path = root / name
-    # Every component below the package root must be a real directory or file.
-    for part in [path, *path.relative_to(root).parents]:
-        candidate = root / part if part != path else path
-        if candidate != root and candidate.is_symlink():
-            raise PackageError(f"{candidate.relative_to(root)}: is a symbolic link; packages contain plain files only")
-    return path
+    return root / name
+
+
+def _tree(root: Path) -> set[str]:
+    """Every file below root, by relative name; anything but plain files and directories is refused.
+
+    Walked with lstat, never following a link, so a link inside (or pointing out) is seen
+    as itself and refused by name before any file is read."""
+    files, pending = set(), [root]
+    while pending:
+        folder = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                mode = entry.stat(follow_symlinks=False).st_mode
+                name = Path(entry.path).relative_to(root).as_posix()
+                if stat.S_ISDIR(mode):
+                    pending.append(Path(entry.path))
+                elif stat.S_ISREG(mode):
+                    files.add(name)
+                else:
+                    raise PackageError(f"{name}: is {_kind(mode)}; packages hold plain files and directories only")
+    return files
 
 
 def _check_files(root: Path, manifest: dict) -> dict[str, bytes]:
@@ -155,16 +200,15 @@ def _check_files(root: Path, manifest: dict) -> dict[str, bytes]:
     if not isinstance(listed, dict) or not listed:
         raise PackageError("manifest.json: 'files' is missing or empty")
     paths = {name: _safe_member(root, name) for name in sorted(listed)}
-    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() or p.is_symlink()} - {"manifest.json"}
+    present = _tree(root) - {"manifest.json"}
     extra = sorted(present - set(listed))
     if extra:
         raise PackageError(f"{extra[0]}: file is not listed in manifest.json")
     contents = {}
     for name, expected in sorted(listed.items()):
-        path = paths[name]
-        if not path.is_file():
+        if name not in present:
             raise PackageError(f"{name}: listed in manifest.json but missing")
-        data = path.read_bytes()
+        data = read_plain_file(paths[name], name)
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected:
             raise PackageError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {str(expected)[:16]}…")
@@ -172,20 +216,28 @@ def _check_files(root: Path, manifest: dict) -> dict[str, bytes]:
     return contents
 
 
-def _pass_info(name: str, entry: dict, contents: dict[str, bytes]) -> PassInfo:
-    import io
+def load_graph(file: str, data: bytes) -> torch.export.ExportedProgram:
+    """One graph archive: its entries and JSON checked first, then deserialised, then its ops
+    checked again on the loaded graph. Any refusal is a PackageError naming `file`."""
+    check_archive(file, data)
+    try:
+        program = torch.export.load(io.BytesIO(data))
+    except Exception as exc:  # the checks above passed it, torch's deserialiser did not: still bad input
+        raise PackageError(f"{file}: torch.export could not load it ({type(exc).__name__}: {str(exc)[:300]})") from None
+    check_graph_ops(file, program.graph)  # the second line: the loaded graph's targets
+    return program
 
+
+def _pass_info(name: str, entry: dict, contents: dict[str, bytes]) -> PassInfo:
     graph = entry.get("graph")
     if graph not in contents:
         raise PackageError(f"manifest.json: passes.{name}.graph {graph!r} is not a listed file")
-    check_archive(graph, contents[graph])
     try:
         inputs = [BufferSpec.from_json(s) for s in entry["inputs"]]
         outputs = [BufferSpec.from_json(s) for s in entry["outputs"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise PackageError(f"manifest.json: passes.{name}: bad calling convention ({exc})") from None
-    program = torch.export.load(io.BytesIO(contents[graph]))
-    check_graph_ops(graph, program.graph)
+    program = load_graph(graph, contents[graph])
     return PassInfo(name, program, inputs, outputs, list(entry["rows_buckets"]), int(entry["width"]))
 
 
@@ -195,13 +247,14 @@ def load(path, weights=None) -> Package:
     A structural package (external weights) loaded without `weights` can be inspected but
     not run: `Package.session` refuses until the weights are bound.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise PackageError(f"{root}: not a package directory")
+    given = Path(path)
+    if not given.is_dir():
+        raise PackageError(f"{given}: not a package directory")
+    root = given.resolve()  # the root may be a link (see above); what lies below it may not
     manifest = _read_manifest(root)
     _check_versions(manifest)
     _check_digest(manifest)
     contents = _check_files(root, manifest)
     passes_json = _check_fingerprint(manifest)
     passes = {name: _pass_info(name, entry, contents) for name, entry in passes_json.items()}
-    return Package(root, manifest, passes, bind_weights(manifest, contents, passes, weights))
+    return Package(given, manifest, passes, bind_weights(manifest, contents, passes, weights))
