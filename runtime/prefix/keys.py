@@ -20,6 +20,9 @@ import sys
 from array import array
 from dataclasses import dataclass, field
 
+from b12x_toolchain.runtime import strict_json
+from b12x_toolchain.runtime.errors import SnapshotError
+
 SNAPSHOT_SCHEMA = 1  # bump when what a snapshot holds or how it is laid out changes
 KEY_PREFIX = 16  # hex digits of the identity key that L2 file names carry
 
@@ -31,8 +34,15 @@ class Identity:
 
     @classmethod
     def of(cls, fields: dict) -> "Identity":
-        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return cls(json.loads(text), hashlib.sha256(text.encode()).hexdigest())
+        """The identity of `fields`, which must be plain JSON data: the key hashes their canonical
+        text, and reading that text back strictly is what the fields become (what a snapshot
+        file records). Keys 1 and "1" would write one key twice, and NaN is not JSON: both refused."""
+        try:
+            text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            canonical = strict_json.loads(text)
+        except (TypeError, ValueError) as exc:  # StrictJsonError is a ValueError
+            raise SnapshotError(f"identity fields {str(fields)[:200]}: expected plain JSON data ({exc})") from None
+        return cls(canonical, hashlib.sha256(text.encode()).hexdigest())
 
     def to_json(self) -> dict:
         return {"key": self.key, "fields": self.fields}

@@ -22,14 +22,25 @@ checksum; `scrub=False` defers that to the first read), removes what fails, and 
 its byte accounting from what is on disk. A file that fails a later read (truncated,
 flipped bit, bad header, gone between listing and reading) is a counted miss; the writer
 removes it, a reader skips it. Entries being read are pinned and never evicted.
+
+The directory's contents are not trusted to be what this module wrote. Only regular files
+are ever opened: the listing looks at each entry itself (lstat, never a link's target),
+and every open is O_NOFOLLOW | O_NONBLOCK and checked with fstat before a byte is read,
+so a name swapped for a link or a FIFO after the listing is refused too (a FIFO opened
+without O_NONBLOCK would block until someone writes to it). Under a snapshot's or the
+journal's name, a link, FIFO or socket is counted (`not_regular`) and never used; the
+writer's start-up removes it — the link itself, never its target. A linked lock file makes
+the store a reader. Nothing outside the directory is read, written, renamed or removed.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -50,6 +61,52 @@ NAME = re.compile(r"^([0-9a-f]{16})-(\d{9})-([0-9a-f]{64})\.safetensors$")
 TMP_PREFIX, TMP_SUFFIX = ".tmp-", ".partial"
 LOCK, JOURNAL = ".lock", "recency.log"
 RESCAN_SECONDS = 1.0  # a reader lists the directory again at least this often
+
+
+# Opens that never follow a link at the last component and never wait on a FIFO.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class NotRegularFile(OSError):
+    """A name in the directory is a link, FIFO, socket or directory: never opened through."""
+
+
+def _open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
+    """An fd of the regular file at `path` itself, opened with `flags`; NotRegularFile for
+    anything else (a link is refused, not followed; a FIFO's fd is closed unread)."""
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS, mode)
+    except OSError as exc:
+        # ELOOP: a link (O_NOFOLLOW); EISDIR: a directory opened to write; ENXIO: a socket,
+        # or a FIFO opened to write while nothing reads it.
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise NotRegularFile(exc.errno, f"{path}: a link, directory, socket or FIFO; "
+                                            "expected a regular file") from None
+        raise
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            raise NotRegularFile(errno.EINVAL, f"{path}: file type {kind:#o}; "
+                                               f"expected a regular file ({stat.S_IFREG:#o})")
+        # O_NONBLOCK only guarded the open: reads and writes of a regular file go back to normal.
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create_new(path: Path):
+    """A new file at `path`, opened for writing; fails if anything (a link included) is already there."""
+    return os.fdopen(_open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
+
+
+def _is_regular(entry: os.DirEntry) -> bool:
+    """Whether the entry itself is a regular file (a link to one is not); nothing is opened."""
+    try:
+        return entry.is_file(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def file_name(snap: Snapshot) -> str:
@@ -86,7 +143,7 @@ def _read_file(path: Path) -> tuple[memoryview, bytes | None]:
     the digests of its data chunks when there are several: each is hashed on a pool thread
     as soon as it is read, so hashing overlaps reading."""
     chunk = snapshot_file.CHECKSUM_CHUNK
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(_open_regular(path, os.O_RDONLY), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
         done = _read_into(f, view, 0, min(size, 8))
@@ -108,7 +165,7 @@ def _read_file(path: Path) -> tuple[memoryview, bytes | None]:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -135,6 +192,7 @@ class L2Stats:
     hash_collisions: int = 0
     orphans_removed: int = 0  # temporaries left by a writer that died mid-write
     files_removed: int = 0  # files removed because they failed verification
+    not_regular: int = 0  # links, FIFOs, sockets, directories under our names: never opened through
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -159,6 +217,7 @@ class L2Store:
         self._lock = threading.RLock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._bad: set[str] = set()  # a reader's files that failed verification: skipped, not removed
+        self._not_regular: set[str] = set()  # names already counted in stats.not_regular
         self._tracked = 0
         self._journal_pos = 0
         self._journal_lines = 0
@@ -171,13 +230,28 @@ class L2Store:
     # -- ownership and start-up ---------------------------------------------------------
 
     def _open_lock(self) -> int | None:
+        """The lock file's fd; None (the store only reads) when it cannot be had. A link
+        there is not followed: locking its target would lock nothing the others lock."""
         try:
-            return os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            return _open_regular(self.dir / LOCK, os.O_RDWR | os.O_CREAT)
+        except NotRegularFile:
+            self._count_not_regular(LOCK)
+            return None
         except OSError:
             try:  # a read-only directory: this store can only ever read
-                return os.open(self.dir / LOCK, os.O_RDONLY)
+                return _open_regular(self.dir / LOCK, os.O_RDONLY)
+            except NotRegularFile:
+                self._count_not_regular(LOCK)
+                return None
             except OSError:
                 return None
+
+    def _count_not_regular(self, name: str) -> None:
+        """Count a non-regular entry once while it stays (a reader lists it again and again)."""
+        with self._lock:
+            if name not in self._not_regular:
+                self._not_regular.add(name)
+                self.stats.not_regular += 1
 
     def _try_lock(self) -> bool:
         if self._lock_fd is None:
@@ -195,19 +269,15 @@ class L2Store:
         with self._lock:
             self._entries.clear()
             self._tracked = 0
-            for path in self.dir.iterdir():
-                if path.name.startswith(TMP_PREFIX) and path.name.endswith(TMP_SUFFIX):
-                    self._unlink(path)
-                    self.stats.orphans_removed += 1
+            self._remove_strays()
             found = {}
             for name, size in self._list().items():
                 if self.scrub:
                     try:
                         snapshot_file.verify(*_read_file(self.dir / name), pool=_hash_pool())
                     except (snapshot_file.CorruptSnapshot, snapshot_file.SchemaMismatch, OSError) as exc:
-                        self._count_failure(exc)
-                        self._unlink(self.dir / name)
-                        self.stats.files_removed += 1
+                        self._count_failure(exc, name)
+                        self._remove_failed(name, exc)
                         continue
                 found[name] = size
             order = self._journal_order(found)
@@ -218,14 +288,38 @@ class L2Store:
                 self._make_room(0)
             _fsync_dir(self.dir)
 
+    def _remove_strays(self) -> None:
+        """Writer start-up: remove orphaned temporaries, and whatever sits under a snapshot's
+        or the journal's name without being a regular file. unlink removes a link itself,
+        never its target; a directory refuses it and stays, skipped by every listing."""
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX):
+                self._unlink(Path(entry.path))
+                self.stats.orphans_removed += 1
+            elif (NAME.match(name) or name == JOURNAL) and not _is_regular(entry):
+                self._count_not_regular(name)
+                if self._unlink(Path(entry.path)):
+                    self._not_regular.discard(name)  # gone: a new one there is counted again
+
     def _list(self) -> dict[str, int]:
-        out = {}
+        """Snapshot files by name and size, from lstat: a link, FIFO or directory under a
+        snapshot's name is counted and left out, so no lookup ever opens it."""
+        out, strays = {}, set()
         for entry in os.scandir(self.dir):
             if NAME.match(entry.name):
                 try:
-                    out[entry.name] = entry.stat().st_size
+                    info = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
-                    pass
+                    continue
+                if stat.S_ISREG(info.st_mode):
+                    out[entry.name] = info.st_size
+                else:
+                    strays.add(entry.name)
+        with self._lock:  # names that went away (or became files) are counted again if they come back
+            self._not_regular = {n for n in self._not_regular if n in strays or not NAME.match(n)}
+        for name in strays:
+            self._count_not_regular(name)
         return out
 
     def _scan(self, force: bool = False) -> bool:
@@ -260,11 +354,7 @@ class L2Store:
         """Names of `found` least recently used first: unmentioned ones first (by name),
         then by their last line in the journal."""
         last = {}
-        try:
-            with open(self.dir / JOURNAL, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            data = b""
+        data = self._read_journal(0)
         self._journal_pos = len(data)
         lines = data.split(b"\n")
         for i, line in enumerate(lines[:-1]):  # a torn last line is ignored
@@ -274,14 +364,23 @@ class L2Store:
         self._journal_lines = len(lines) - 1
         return sorted((n for n in found if n not in last)) + sorted(last, key=last.get)
 
+    def _read_journal(self, start: int) -> bytes:
+        """The journal from byte `start` on; empty when it is missing, unreadable or not a
+        regular file (a link is not followed: recency is advice, and the writer's next
+        compaction puts a real journal in the link's place)."""
+        try:
+            with os.fdopen(_open_regular(self.dir / JOURNAL, os.O_RDONLY), "rb") as f:
+                f.seek(start)
+                return f.read()
+        except NotRegularFile:
+            self._count_not_regular(JOURNAL)
+        except OSError:
+            pass
+        return b""
+
     def _ingest_journal(self) -> None:
         """Writer: fold in accesses appended since the last look (readers' hits)."""
-        try:
-            with open(self.dir / JOURNAL, "rb") as f:
-                f.seek(self._journal_pos)
-                data = f.read()
-        except FileNotFoundError:
-            return
+        data = self._read_journal(self._journal_pos)
         end = data.rfind(b"\n") + 1
         self._journal_pos += end
         for line in data[:end].split(b"\n")[:-1]:
@@ -292,7 +391,10 @@ class L2Store:
 
     def _append_journal(self, name: str) -> None:
         try:
-            fd = os.open(self.dir / JOURNAL, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if self.writable else 0), 0o644)
+            fd = _open_regular(self.dir / JOURNAL, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if self.writable else 0))
+        except NotRegularFile:
+            self._count_not_regular(JOURNAL)
+            return  # never append through a link: its target is not ours
         except OSError:
             return  # recency is advice: a reader on a read-only directory just does not record it
         try:
@@ -310,15 +412,17 @@ class L2Store:
     def _compact_journal(self) -> None:
         tmp = self.dir / f"{TMP_PREFIX}journal-{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            with open(tmp, "wb") as f:
+            with _create_new(tmp) as f:
                 f.write(b"".join(n.encode() + b"\n" for n in self._entries))
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.dir / JOURNAL)
+            os.replace(tmp, self.dir / JOURNAL)  # replaces a link there, never its target
         except OSError:
             self._unlink(tmp)
             return
-        self._journal_pos = os.stat(self.dir / JOURNAL).st_size
+        with self._lock:
+            self._not_regular.discard(JOURNAL)
+        self._journal_pos = os.lstat(self.dir / JOURNAL).st_size
         self._journal_lines = len(self._entries)
 
     # -- index --------------------------------------------------------------------------
@@ -333,11 +437,16 @@ class L2Store:
         if entry is not None:
             self._tracked -= entry.size
 
-    def _unlink(self, path: Path) -> None:
+    def _unlink(self, path: Path) -> bool:
+        """Remove the name `path` (a link itself, never its target); whether it is gone.
+        A directory, or a directory this store may not write, keeps it: never an exception."""
         try:
             os.unlink(path)
         except FileNotFoundError:
-            pass
+            return True
+        except OSError:
+            return False
+        return True
 
     def tracked_bytes(self) -> int:
         return self._tracked
@@ -355,8 +464,10 @@ class L2Store:
 
     # -- lookup -------------------------------------------------------------------------
 
-    def _count_failure(self, exc: Exception) -> None:
-        if isinstance(exc, snapshot_file.ChecksumMismatch):
+    def _count_failure(self, exc: Exception, name: str) -> None:
+        if isinstance(exc, NotRegularFile):  # swapped in after the listing
+            self._count_not_regular(name)
+        elif isinstance(exc, snapshot_file.ChecksumMismatch):
             self.stats.checksum_failures += 1
         elif isinstance(exc, snapshot_file.SchemaMismatch):
             self.stats.schema_rejects += 1
@@ -366,16 +477,24 @@ class L2Store:
     def _reject(self, name: str, exc: Exception) -> None:
         """A file failed to load: the writer removes it, a reader remembers to skip it."""
         with self._lock:
-            self._count_failure(exc)
+            self._count_failure(exc, name)
             if isinstance(exc, FileNotFoundError):
                 self._drop(name)
             elif self.writable:
                 if name in self._entries:
                     self._drop(name)
-                    self._unlink(self.dir / name)
-                    self.stats.files_removed += 1
+                    self._remove_failed(name, exc)
             else:
                 self._bad.add(name)
+
+    def _remove_failed(self, name: str, exc: Exception) -> None:
+        """Writer: remove a file that failed to load (a link itself, never its target)."""
+        if not self._unlink(self.dir / name):
+            return
+        if isinstance(exc, NotRegularFile):  # not a damaged file: counted in not_regular already
+            self._not_regular.discard(name)  # gone: a new one under the name is counted again
+        else:
+            self.stats.files_removed += 1
 
     def _load(self, name: str, identity: Identity) -> Snapshot | None:
         try:
@@ -493,7 +612,7 @@ class L2Store:
             return False
         tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{TMP_SUFFIX}"
         try:
-            with open(tmp, "wb") as f:
+            with _create_new(tmp) as f:
                 _write_chunks(f, chunks)
                 f.flush()
                 os.fsync(f.fileno())

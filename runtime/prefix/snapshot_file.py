@@ -14,6 +14,11 @@ threads while it is still reading later ones.
 Tensors: `logits` (F32, optional), `tokens` (I32) and one U8 tensor per cache, in that
 order, so every tensor starts aligned for its dtype. Decoding is zero-copy: the tensors
 are views of the buffer that was read.
+
+Both JSON texts (the header and the snapshot record in it) are read strictly
+(runtime/strict_json.py): a duplicated key or a NaN makes the file damaged, as a reader
+that kept the other duplicate would see another snapshot. A checksum does not settle it:
+anyone who can write the directory can recompute one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import struct
 
 import torch
 
+from b12x_toolchain.runtime import strict_json
 from b12x_toolchain.runtime.prefix.keys import SNAPSHOT_SCHEMA, Identity, token_hash
 from b12x_toolchain.runtime.prefix.snapshot import Snapshot
 
@@ -92,8 +98,9 @@ def _header(tensors: list[tuple[str, torch.Tensor]], meta: dict, checksum: str) 
         table[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
                        "data_offsets": [offset, offset + tensor.nbytes]}
         offset += tensor.nbytes
-    metadata = {CHECKSUM_KEY: checksum, META_KEY: json.dumps(meta, sort_keys=True, separators=(",", ":"))}
-    text = json.dumps({"__metadata__": metadata, **table}, separators=(",", ":")).encode()
+    metadata = {CHECKSUM_KEY: checksum,
+                META_KEY: json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False)}
+    text = json.dumps({"__metadata__": metadata, **table}, separators=(",", ":"), allow_nan=False).encode()
     return text + b" " * (-len(text) % 8)
 
 
@@ -121,9 +128,9 @@ def _parse_header(buf) -> tuple[int, dict]:
     if size > min(HEADER_LIMIT, len(buf) - 8):
         raise CorruptSnapshot(f"header length {size} exceeds the file ({len(buf)} bytes)")
     try:
-        header = json.loads(bytes(buf[8 : 8 + size]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptSnapshot(f"header is not JSON ({exc})") from None
+        header = strict_json.loads(bytes(buf[8 : 8 + size]))
+    except strict_json.StrictJsonError as exc:
+        raise CorruptSnapshot(f"header is not strict JSON ({exc})") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise CorruptSnapshot("header has no __metadata__ object")
     return size, header
@@ -189,9 +196,9 @@ def verify(buf, digests: bytes | None = None, pool=None) -> dict:
     if digest != checksum:
         raise ChecksumMismatch(f"sha256 {digest[:16]}… does not match the recorded {checksum[:16]}…")
     try:
-        meta = json.loads(meta_text)
-    except json.JSONDecodeError as exc:
-        raise CorruptSnapshot(f"snapshot record is not JSON ({exc})") from None
+        meta = strict_json.loads(meta_text)
+    except strict_json.StrictJsonError as exc:
+        raise CorruptSnapshot(f"snapshot record {META_KEY!r} is not strict JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("schema") != SNAPSHOT_SCHEMA:
         raise SchemaMismatch(f"snapshot schema {meta.get('schema') if isinstance(meta, dict) else None!r}; "
                              f"this runtime reads schema {SNAPSHOT_SCHEMA}")
