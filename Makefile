@@ -25,8 +25,9 @@ demo: setup
 WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope $(PYTEST_ARGS)
 
+# The slowest tests are listed after every run, so a test that grows slow shows up in CI's log.
 test: setup
-	$(PYTEST)
+	$(PYTEST) --durations=15
 
 # The inner loop (a developer convenience, not what CI runs): the tests that need no
 # exported package and no child process, in under three minutes.
