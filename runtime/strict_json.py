@@ -48,3 +48,17 @@ def load_document(data: bytes | str, what: str, error=PackageError):
         return loads(data)
     except StrictJsonError as exc:
         raise error(f"{what}: {exc}") from None
+
+
+def safetensors_header(data: bytes, what: str, error=PackageError) -> dict:
+    """The JSON header of safetensors bytes, read strictly before the format's own parser
+    sees it (that parser keeps one of two equal keys, as `json.loads` does)."""
+    if len(data) < 8:
+        raise error(f"{what}: {len(data)} bytes is shorter than a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise error(f"{what}: header length {size} exceeds the file's {len(data) - 8} bytes after it")
+    header = load_document(data[8 : 8 + size], f"{what}: header", error)
+    if not isinstance(header, dict):
+        raise error(f"{what}: header: expected an object")
+    return header

@@ -16,6 +16,7 @@ import torch
 
 from b12x_toolchain.runtime.package.checkpoint import read_checkpoint
 from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.strict_json import safetensors_header
 
 
 def weight_inputs(passes: dict) -> dict[str, tuple[str, tuple]]:
@@ -71,6 +72,7 @@ def bind_weights(manifest: dict, contents: dict[str, bytes], passes: dict, check
     name = entry.get("file")
     if name not in contents:
         raise PackageError(f"manifest.json: weights file {name!r} is not a listed file")
+    safetensors_header(contents[name], name)  # strict JSON first: no duplicated tensor names
     try:
         weights = safetensors.torch.load(contents[name])
     except Exception as exc:  # safetensors raises its own error type for malformed headers

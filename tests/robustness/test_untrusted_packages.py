@@ -197,6 +197,20 @@ def test_a_manifest_with_a_non_json_number_is_refused(small_path, tmp_path, lite
         load(package)
 
 
+def test_a_weights_header_with_a_duplicated_tensor_name_is_refused(small_path, tmp_path):
+    package = shutil.copytree(small_path, tmp_path / "tampered.b12x")
+    data = (package / "weights.safetensors").read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    name = next(key for key in header if key != "__metadata__")
+    text = "{" + json.dumps(name) + ":" + json.dumps(header[name]) + "," + data[8 : 8 + size].decode()[1:]
+    text += " " * (-len(text) % 8)
+    (package / "weights.safetensors").write_bytes(len(text).to_bytes(8, "little") + text.encode() + data[8 + size :])
+    resign(package)
+    with pytest.raises(PackageError, match=f"weights.safetensors: header: key '{name}' appears twice"):
+        load(package)
+
+
 # -- plain files and directories only --------------------------------------------------
 
 def _fifo(path: Path, outside: Path):
