@@ -33,12 +33,21 @@ EXPORT_FIXTURES = {"small_path", "fused_path", "unfused_path", "fused_pkg", "unf
 COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(")
 
 
+def _module_minutes(item) -> float:
+    marks = [mark for mark in item.iter_markers("slow") if "minutes" in mark.kwargs]
+    return max((mark.kwargs["minutes"] for mark in marks), default=0.0)
+
+
 def _costly_module(module) -> bool:
     source = Path(module.__file__).read_text()
     return any(call in source for call in COSTLY_CALLS)
 
 
 def pytest_collection_modifyitems(config, items):
+    # The longest modules run first: the workers take whole modules in collection order
+    # (--dist loadscope), so a long module left for last would keep one core busy alone.
+    # A module states its length as `pytestmark = pytest.mark.slow(minutes=N)`.
+    items.sort(key=lambda item: -_module_minutes(item))  # stable: the order within a module stays
     costly = {}
     for item in items:
         module = item.module

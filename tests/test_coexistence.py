@@ -26,6 +26,8 @@ import pytest
 from b12x_toolchain.exporter.pipeline.export import FLASHINFER_PIN
 from paths import ROOT
 
+pytestmark = pytest.mark.slow(minutes=1.5)  # the module's time on two busy cores: longest runs first
+
 OURS = "b12x_toolchain"  # the dist-info prefix of b12x-toolchain
 FLASHINFER = "flashinfer_python"  # the dist-info prefix of flashinfer-python
 

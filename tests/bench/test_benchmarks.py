@@ -15,6 +15,8 @@ import torch
 
 from paths import ROOT  # noqa: E402
 
+pytestmark = pytest.mark.slow(minutes=2.5)  # the module's time on two busy cores: longest runs first
+
 RUNNER = ROOT / "benchmarks" / "run.py"
 
 if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package

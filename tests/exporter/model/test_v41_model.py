@@ -19,6 +19,8 @@ from b12x_toolchain.exporter.model.weights import init_weights
 from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES, exported, incremental, relative_rms
 
+pytestmark = pytest.mark.slow(minutes=2)  # the module's time on two busy cores: longest runs first
+
 LENGTH = 360
 
 

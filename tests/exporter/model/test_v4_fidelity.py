@@ -22,6 +22,8 @@ from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
 from hf_reference import reference_logits, save_tiny_checkpoint
 
+pytestmark = pytest.mark.slow(minutes=3)  # the module's time on two busy cores: longest runs first
+
 TOLERANCE = 1e-4
 
 

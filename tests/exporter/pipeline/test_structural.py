@@ -18,6 +18,8 @@ from b12x_toolchain.runtime import PackageError, load
 from b12x_toolchain.runtime.package.checkpoint import INDEX
 from b12x_toolchain.runtime.package.reader import read_manifest
 
+pytestmark = pytest.mark.slow(minutes=4.5)  # the module's time on two busy cores: longest runs first
+
 GIB = 1 << 30
 
 

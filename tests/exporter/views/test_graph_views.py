@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from b12x_toolchain.exporter.cli.main import main
 
+pytestmark = pytest.mark.slow(minutes=2.5)  # the module's time on two busy cores: longest runs first
+
 FUSED = "b12x.window_snapshot_append.default"
 
 
