@@ -26,7 +26,8 @@ LENGTH = 360
 
 @pytest.fixture(scope="module")
 def weights(tiny_recipe):
-    return init_weights(Dims.from_recipe(tiny_recipe), seed=7)
+    # The recipe's own seed: the quantised package is then the session's fused package.
+    return init_weights(Dims.from_recipe(tiny_recipe), seed=tiny_recipe.model.init_seed)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def fp32_pkg(tiny_recipe, weights, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def quantised_pkg(tiny_recipe, weights, tmp_path_factory):
-    return exported(tiny_recipe, weights, tmp_path_factory)
+def quantised_pkg(fused_pkg):
+    return fused_pkg  # the tiny recipe exported with its own weights, as `weights` are
 
 
 def test_incremental_equals_single_forward(fp32_pkg, tiny_recipe, expected, sequences):
