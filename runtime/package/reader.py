@@ -228,7 +228,17 @@ def load_graph(file: str, data: bytes) -> torch.export.ExportedProgram:
     return program
 
 
-def _pass_info(name: str, entry: dict, contents: dict[str, bytes]) -> PassInfo:
+@dataclass
+class _Convention:
+    """A pass as the manifest declares it, before its graph is deserialised."""
+
+    name: str
+    graph: str
+    inputs: list[BufferSpec]
+    outputs: list[BufferSpec]
+
+
+def _convention(name: str, entry: dict, contents: dict[str, bytes]) -> _Convention:
     graph = entry.get("graph")
     if graph not in contents:
         raise PackageError(f"manifest.json: passes.{name}.graph {graph!r} is not a listed file")
@@ -237,8 +247,13 @@ def _pass_info(name: str, entry: dict, contents: dict[str, bytes]) -> PassInfo:
         outputs = [BufferSpec.from_json(s) for s in entry["outputs"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise PackageError(f"manifest.json: passes.{name}: bad calling convention ({exc})") from None
-    program = load_graph(graph, contents[graph])
-    return PassInfo(name, program, inputs, outputs, list(entry["rows_buckets"]), int(entry["width"]))
+    return _Convention(name, graph, inputs, outputs)
+
+
+def _pass_info(convention: _Convention, entry: dict, contents: dict[str, bytes]) -> PassInfo:
+    program = load_graph(convention.graph, contents[convention.graph])
+    return PassInfo(convention.name, program, convention.inputs, convention.outputs, list(entry["rows_buckets"]),
+                    int(entry["width"]))
 
 
 def load(path, weights=None) -> Package:
@@ -256,5 +271,8 @@ def load(path, weights=None) -> Package:
     _check_digest(manifest)
     contents = _check_files(root, manifest)
     passes_json = _check_fingerprint(manifest)
-    passes = {name: _pass_info(name, entry, contents) for name, entry in passes_json.items()}
-    return Package(given, manifest, passes, bind_weights(manifest, contents, passes, weights))
+    conventions = {name: _convention(name, entry, contents) for name, entry in passes_json.items()}
+    # Weights first: a bad checkpoint or weights file is refused before any graph is deserialised.
+    bound = bind_weights(manifest, contents, conventions, weights)
+    passes = {name: _pass_info(conventions[name], entry, contents) for name, entry in passes_json.items()}
+    return Package(given, manifest, passes, bound)
