@@ -19,12 +19,11 @@ demo: setup
 	$(BIN)/b12x export --recipe dsv41-tiny --out out
 	$(BIN)/b12x run out/dsv41-tiny.b12x --prompt-ids 1,2,3,4,5,6,7,8 --max-new-tokens 32
 
-# One torch thread per process: the suite's tensors are tiny, and the cores go to pytest
-# workers instead (pytest-xdist; a module's tests stay on one worker, so its module-scoped
-# exports run once; tests/conftest.py shares the session's exports). Three workers on two
-# cores: at any time one is often waiting on a child process or on an export another
-# worker is making, and the third keeps both cores busy.
-WORKERS ?= 3
+# One torch thread per process: the suite's tensors are tiny, and the two cores go to two
+# pytest workers instead (pytest-xdist; a module's tests stay on one worker, so its
+# module-scoped exports run once; tests/conftest.py shares the session's exports). A third
+# worker was measured slower (16:42 against 15:07): the suite is CPU-bound.
+WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The slowest tests are listed after every run, so a test that grows slow shows up in CI's log.
