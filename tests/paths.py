@@ -3,6 +3,5 @@
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
 RECIPES = ROOT / "recipes"
 EXAMPLES = ROOT / "examples"

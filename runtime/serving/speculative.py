@@ -30,14 +30,14 @@ class Decoder:
 
     def engine(self, speculative: bool = True, slots=None) -> Engine:
         """A greedy engine over this decoder's session, counting into `self.stats`."""
-        if slots is not None or speculative not in self._engines:
-            engine = Engine(self.session, speculative=speculative, drafter=self.drafter,
-                            prefix_cache=self.prefix_cache, slots=slots)
-            engine.stats = self.stats
-            if slots is not None:
-                return engine
+        if slots is None and speculative in self._engines:
+            return self._engines[speculative]
+        engine = Engine(self.session, speculative=speculative, drafter=self.drafter,
+                        prefix_cache=self.prefix_cache, slots=slots)
+        engine.stats = self.stats
+        if slots is None:  # engines over given slots are one-off (generate's prompt i -> slot i)
             self._engines[speculative] = engine
-        return self._engines[speculative]
+        return engine
 
     def prefill(self, slot: int, prompt: list[int]) -> RequestState:
         """Prefill a prompt into a slot; the row's pending token is the target's first token."""
