@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.passes.pair_rewrite import PairRewrite
-from b12x_toolchain.runtime.ops.opset import ops as b12x
+from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
 
 
@@ -23,9 +23,9 @@ def _qualified(snapshot: dict, append: dict) -> None:
 
 
 REWRITE = PairRewrite(
-    first=b12x.window_snapshot.default,
-    second=b12x.cache_append.default,
-    fused=b12x.window_snapshot_append.default,
+    first=ops.window_snapshot.default,
+    second=ops.cache_append.default,
+    fused=ops.window_snapshot_append.default,
     same=(("staging", "staging"), ("history", "history"), ("layout", "layout"), ("page_size", "page_size")),
     fused_args=(
         ("ring", ("first", "ring")),

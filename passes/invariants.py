@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx
 
 from b12x_toolchain.passes.dependency import tensor_args
-from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS
+from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS, OPSET_VERSION
 
 KNOWN_OPS = set(OPS.values())
 
@@ -35,7 +35,7 @@ def check_invariants(gm: torch.fx.GraphModule, before: tuple) -> list[str]:
             continue
         namespace = getattr(node.target, "namespace", None)
         if namespace == NAMESPACE and node.target not in KNOWN_OPS:
-            problems.append(f"{node.name}: {node.target} is not in op set v1")
+            problems.append(f"{node.name}: {node.target} is not in op set v{OPSET_VERSION}")
         for arg, written in tensor_args(node):
             if written and arg.op != "placeholder":
                 problems.append(f"{node.name} mutates {arg.name}, which is not a graph input")

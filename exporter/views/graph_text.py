@@ -68,7 +68,7 @@ class GraphNames:
 
 def target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
-        return str(target)  # aten.add.Tensor, b12x.window_snapshot.default
+        return str(target)  # aten.add.Tensor, b12x_toolchain.window_snapshot.default
     return f"{getattr(target, '__module__', None) or 'builtins'}.{getattr(target, '__name__', repr(target))}"
 
 

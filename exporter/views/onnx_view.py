@@ -1,6 +1,6 @@
 """An ONNX view of a pass graph, for Netron and for diffing; never the package itself.
 
-Each fx node becomes one ONNX node in the domain of its op: `b12x` ops in domain `b12x`
+Each fx node becomes one ONNX node in the domain of its op: op-set ops in the op set's namespace as domain
 at the op-set version, ATen ops in `org.pytorch.aten`, Python-level size arithmetic in
 `org.python`. Non-tensor arguments become attributes named after the schema's arguments.
 ONNX values are immutable, so a b12x op that writes a buffer in place yields the buffer's

@@ -1,4 +1,4 @@
-"""Op set v1 (namespace `b12x`): every op that reads or writes a cache.
+"""Op set v2 (namespace `b12x_toolchain`): every op that reads or writes a cache.
 
 Each op is a `torch.library` custom op whose schema declares what it mutates, with a
 plain-torch reference implementation (used on CPU, and on any device until a kernel is
@@ -18,10 +18,9 @@ import importlib.util
 import torch
 
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION  # noqa: F401 (re-exported)
 from b12x_toolchain.runtime.formats.layout import history_offsets, ring_index, token_view
 
-OPSET_VERSION = 1
-NAMESPACE = "b12x"
 RAW_BYTES = "bytes"  # write_rows format for rows that are already encoded
 
 
@@ -32,7 +31,7 @@ def _encode(values: torch.Tensor, fmt: str) -> torch.Tensor:
 # ---------------------------------------------------------------- window staging ops
 
 
-@torch.library.custom_op("b12x::window_snapshot", mutates_args=("staging",))
+@torch.library.custom_op(f"{NAMESPACE}::window_snapshot", mutates_args=("staging",))
 def window_snapshot(
     ring: torch.Tensor, staging: torch.Tensor, row_ids: torch.Tensor, positions: torch.Tensor,
     history: int, layout: str, page_size: int,
@@ -42,7 +41,7 @@ def window_snapshot(
     token_view(staging)[:, :history] = ring[row_ids.long()[:, None], idx]
 
 
-@torch.library.custom_op("b12x::cache_append", mutates_args=("staging",))
+@torch.library.custom_op(f"{NAMESPACE}::cache_append", mutates_args=("staging",))
 def cache_append(
     staging: torch.Tensor, kv: torch.Tensor, history: int, layout: str, page_size: int, fmt: str,
 ) -> None:
@@ -51,7 +50,7 @@ def cache_append(
     token_view(staging)[:, history : history + width] = get_format(fmt).encode(kv)
 
 
-@torch.library.custom_op("b12x::window_snapshot_append", mutates_args=("staging",))
+@torch.library.custom_op(f"{NAMESPACE}::window_snapshot_append", mutates_args=("staging",))
 def window_snapshot_append(
     ring: torch.Tensor, staging: torch.Tensor, kv: torch.Tensor, row_ids: torch.Tensor,
     positions: torch.Tensor, history: int, layout: str, page_size: int, fmt: str,
@@ -63,13 +62,13 @@ def window_snapshot_append(
     view[:, history : history + kv.shape[1]] = get_format(fmt).encode(kv)
 
 
-@torch.library.custom_op("b12x::window_read", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::window_read", mutates_args=())
 def window_read(staging: torch.Tensor, tokens: int, dim: int, fmt: str) -> torch.Tensor:
     """Decode the first `tokens` staging rows of every pass row: [rows, tokens, dim] fp32."""
     return get_format(fmt).decode(token_view(staging)[:, :tokens], dim)
 
 
-@torch.library.custom_op("b12x::window_commit", mutates_args=("ring",))
+@torch.library.custom_op(f"{NAMESPACE}::window_commit", mutates_args=("ring",))
 def window_commit(
     ring: torch.Tensor, staging: torch.Tensor, row_ids: torch.Tensor, positions: torch.Tensor,
     accept_len: torch.Tensor, history: int, width: int,
@@ -85,7 +84,7 @@ def window_commit(
 # ---------------------------------------------------------------- generic row ops
 
 
-@torch.library.custom_op("b12x::write_rows", mutates_args=("cache",))
+@torch.library.custom_op(f"{NAMESPACE}::write_rows", mutates_args=("cache",))
 def write_rows(
     cache: torch.Tensor, values: torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor,
     valid: torch.Tensor, fmt: str,
@@ -99,7 +98,7 @@ def write_rows(
     cache[slots[valid], index.long()[valid]] = _encode(values[valid], fmt)
 
 
-@torch.library.custom_op("b12x::gather_rows", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::gather_rows", mutates_args=())
 def gather_rows(
     cache: torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor, dim: int, fmt: str,
 ) -> torch.Tensor:
@@ -108,24 +107,24 @@ def gather_rows(
     return get_format(fmt).decode(cache[row_ids.long()[:, None], idx], dim)
 
 
-@torch.library.custom_op("b12x::stage_rows", mutates_args=("staging",))
+@torch.library.custom_op(f"{NAMESPACE}::stage_rows", mutates_args=("staging",))
 def stage_rows(staging: torch.Tensor, values: torch.Tensor, fmt: str) -> None:
     """Encode values [rows, width, dim] into a flat staging buffer [rows, width, bytes]."""
     staging[:, : values.shape[1]] = get_format(fmt).encode(values)
 
 
-@torch.library.custom_op("b12x::read_rows", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::read_rows", mutates_args=())
 def read_rows(staging: torch.Tensor, dim: int, fmt: str) -> torch.Tensor:
     return get_format(fmt).decode(staging, dim)
 
 
-@torch.library.custom_op("b12x::round_trip", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::round_trip", mutates_args=())
 def round_trip(values: torch.Tensor, fmt: str) -> torch.Tensor:
     """decode(encode(values)): what a later read of these rows from a cache returns."""
     return get_format(fmt).decode(get_format(fmt).encode(values), values.shape[-1])
 
 
-@torch.library.custom_op("b12x::set_seq_len", mutates_args=("seq_len",))
+@torch.library.custom_op(f"{NAMESPACE}::set_seq_len", mutates_args=("seq_len",))
 def set_seq_len(seq_len: torch.Tensor, row_ids: torch.Tensor, values: torch.Tensor) -> None:
     seq_len[row_ids.long()] = values.to(seq_len.dtype)
 
@@ -157,6 +156,8 @@ def _(values, fmt):
     return torch.empty_like(values, dtype=torch.float32)
 
 
+from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers op set v2's sparse ops)
+
 ops = getattr(torch.ops, NAMESPACE)
 """The registered namespace: modules that call the ops import this name, which guarantees
 the registration above has run before any graph is built or loaded."""
@@ -165,9 +166,9 @@ OPS = {
     name: getattr(ops, name).default
     for name in ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
                  "window_commit", "write_rows", "gather_rows", "stage_rows", "read_rows",
-                 "round_trip", "set_seq_len")
+                 "round_trip", "set_seq_len") + SPARSE_OPS
 }
-"""Every op of op set v1 by name; a graph using anything else in the namespace is refused."""
+"""Every op of op set v2 by name; a graph using anything else in the namespace is refused."""
 
 # Only where CUDA exists, and only for CUDA tensors: the CPU path never imports Triton.
 CUDA_KERNELS = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None

@@ -11,6 +11,7 @@ import io
 import zipfile
 
 from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION
 from b12x_toolchain.runtime.package.graph_json import check_graph_json
 from b12x_toolchain.runtime.strict_json import load_document
 
@@ -61,12 +62,12 @@ def check_archive(name: str, data: bytes) -> None:
         refuse("archive has no archive/models/model.json graph")
 
 
-ALLOWED_NAMESPACES = ("aten", "b12x")
+ALLOWED_NAMESPACES = ("aten", NAMESPACE)
 ALLOWED_PYTHON = {"operator.getitem"}
 
 
 def check_graph_ops(name: str, graph) -> None:
-    """A graph may call aten ops, the b12x op set and getitem: nothing that reaches files,
+    """A graph may call aten ops, our op set and getitem: nothing that reaches files,
     processes or other libraries' ops (a replay must only compute)."""
     from b12x_toolchain.runtime.ops.opset import OPS
 
@@ -78,11 +79,11 @@ def check_graph_ops(name: str, graph) -> None:
             raise PackageError(f"{name}: node {node.name} is a {node.op}; graphs may only call functions")
         target = node.target
         namespace = getattr(target, "namespace", None)
-        if namespace == "b12x" and target in known:
+        if namespace == NAMESPACE and target in known:
             continue
         if namespace == "aten":
             continue
         qualified = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
         if qualified.replace("_operator.", "operator.") in ALLOWED_PYTHON:
             continue
-        raise PackageError(f"{name}: node {node.name} calls {target}, which is outside op set v1 and aten")
+        raise PackageError(f"{name}: node {node.name} calls {target}, which is outside op set v{OPSET_VERSION} and aten")

@@ -7,7 +7,7 @@ import torch
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.runtime.formats.layout import staging_shape
 
-ops = torch.ops.b12x
+ops = torch.ops.b12x_toolchain
 
 ROWS, SLOTS, WIDTH, DIM = 2, 3, 8, 64
 ROW_BYTES = 66  # one mxfp8 row of 64 dims: 64 element bytes + 2 scale bytes

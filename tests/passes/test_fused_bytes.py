@@ -23,8 +23,8 @@ def _open(pkg, gen_seed):
 
 def _fused_ops(pkg, pass_name):
     names = [str(n.target) for n in pkg.passes[pass_name].program.graph.nodes if n.op == "call_function"]
-    return sum(name == "b12x.window_snapshot_append.default" for name in names), \
-        sum(name == "b12x.window_snapshot.default" for name in names)
+    return sum(name == "b12x_toolchain.window_snapshot_append.default" for name in names), \
+        sum(name == "b12x_toolchain.window_snapshot.default" for name in names)
 
 
 def test_packages_differ_in_the_window_ops(fused_pkg, unfused_pkg):

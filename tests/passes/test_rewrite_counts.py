@@ -16,10 +16,10 @@ def test_one_node_fewer_per_window_layer(fused_pkg, unfused_pkg, tiny_recipe):
         fused, unfused = _ops(fused_pkg, pass_name), _ops(unfused_pkg, pass_name)
         assert sum(unfused.values()) - sum(fused.values()) == layers
         # vLLM-style accounting: fused-away ops gone, fused-in op present once per layer.
-        assert unfused["b12x.window_snapshot.default"] == layers and fused["b12x.window_snapshot.default"] == 0
-        assert unfused["b12x.cache_append.default"] == layers and fused["b12x.cache_append.default"] == 0
-        assert fused["b12x.window_snapshot_append.default"] == layers
-        assert unfused["b12x.window_snapshot_append.default"] == 0
+        assert unfused["b12x_toolchain.window_snapshot.default"] == layers and fused["b12x_toolchain.window_snapshot.default"] == 0
+        assert unfused["b12x_toolchain.cache_append.default"] == layers and fused["b12x_toolchain.cache_append.default"] == 0
+        assert fused["b12x_toolchain.window_snapshot_append.default"] == layers
+        assert unfused["b12x_toolchain.window_snapshot_append.default"] == 0
         rest = lambda c: {k: v for k, v in c.items() if "window_snapshot" not in k and "cache_append" not in k}
         assert rest(fused) == rest(unfused)
         record = fused_pkg.manifest["rewrites"]["results"][pass_name]["fuse_window_snapshot"]

@@ -91,7 +91,8 @@ TARGETS = [
     "builtins.exec",
     "torch.serialization.os.system",  # torch would resolve this to os.system
     "torch.ops.aten.__class__.__init__",  # from the op namespace into plain Python
-    "torch.ops.b12x.window_magic.default",  # our namespace, not our op set
+    "torch.ops.b12x_toolchain.window_magic.default",  # our namespace, not our op set
+    "torch.ops.b12x.window_commit.default",  # op set 1's namespace, which FlashInfer's b12x also uses
     "math.sqrt",
     "_operator.add",
     "#custom_extension",
@@ -102,7 +103,7 @@ TARGETS = [
 @pytest.mark.parametrize("target", TARGETS)
 def test_a_node_target_outside_the_op_set_is_refused_before_deserialising(small_path, tmp_path, target):
     package = with_graph(small_path, tmp_path, lambda doc: first_node(doc).update(target=target))
-    with pytest.raises(PackageError, match=rf"{GRAPH}: node '\w+': target .* is outside op set v1"):
+    with pytest.raises(PackageError, match=rf"{GRAPH}: node '\w+': target .* is outside op set v2"):
         load(package)
 
 
@@ -287,7 +288,7 @@ def test_every_command_turns_a_tampered_package_into_one_error_line(small_path, 
 # -- fuzzing ---------------------------------------------------------------------------
 
 KINDS = ["as_tensor", "as_int", "as_graph", "as_operator", "as_custom_obj", "as_string", "as_expr", "as_sym_int"]
-TEXTS = st.sampled_from(TARGETS + ["torch.ops.aten.add.Tensor", "torch.ops.b12x.window_commit.default",
+TEXTS = st.sampled_from(TARGETS + ["torch.ops.aten.add.Tensor", "torch.ops.b12x_toolchain.window_commit.default",
                                    "_operator.getitem", "", "torch"]) | st.text(max_size=40)
 VALUES = st.recursive(st.none() | st.booleans() | st.integers() | TEXTS,
                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KINDS), inner,

@@ -9,10 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from b12x_toolchain.exporter.cli.main import main
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION
 
 pytestmark = pytest.mark.slow(minutes=2.5)  # the module's time on two busy cores: longest runs first
 
-FUSED = "b12x.window_snapshot_append.default"
+FUSED = "b12x_toolchain.window_snapshot_append.default"
 
 
 def _inspect(*args):
@@ -62,10 +63,10 @@ def test_onnx_views_pass_the_checker(fused_path, fused_pkg, tmp_path):
     for pass_name, info in fused_pkg.passes.items():
         model = onnx.load(str(tmp_path / f"{pass_name}.onnx"))
         onnx.checker.check_model(model, full_check=True)
-        assert {(o.domain, o.version) for o in model.opset_import} >= {("b12x", 1), ("org.pytorch.aten", 1)}
+        assert {(o.domain, o.version) for o in model.opset_import} >= {(NAMESPACE, OPSET_VERSION), ("org.pytorch.aten", 1)}
         assert [i.name for i in model.graph.input] == [s.name for s in info.inputs]
-        b12x_ops = [n for n in model.graph.node if n.domain == "b12x"]
-        assert len(b12x_ops) == sum(1 for n in _op_nodes(fused_pkg, pass_name) if getattr(n.target, "namespace", None) == "b12x")
+        b12x_ops = [n for n in model.graph.node if n.domain == NAMESPACE]
+        assert len(b12x_ops) == sum(1 for n in _op_nodes(fused_pkg, pass_name) if getattr(n.target, "namespace", None) == NAMESPACE)
         assert [o.name for o in model.graph.output][: len(info.outputs)] == [s.name for s in info.outputs]
     verify = onnx.load(str(tmp_path / "verify.onnx"))
     fused = [n for n in verify.graph.node if n.op_type == "window_snapshot_append"]
@@ -89,4 +90,4 @@ def test_dump_passes_numbers_every_rewrite(structural_path):
     count = lambda text: int(re.match(r"# verify after \w+: (\d+) op nodes", text).group(1))
     assert count(before) - count(after) == 6
     assert FUSED not in before and after.count(f"= {FUSED}(") == 6
-    assert before.count("= b12x.window_snapshot.default(") == 6
+    assert before.count("= b12x_toolchain.window_snapshot.default(") == 6

@@ -18,7 +18,8 @@ import torch
 from paths import ROOT
 
 OPS = ("window_snapshot", "cache_append", "window_snapshot_append", "window_read", "window_commit",
-       "write_rows", "gather_rows", "stage_rows", "read_rows", "round_trip", "set_seq_len")
+       "write_rows", "gather_rows", "stage_rows", "read_rows", "round_trip", "set_seq_len",
+       "indexer_topk", "candidate_blocks", "sparse_attention")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -34,7 +35,7 @@ def test_every_op_of_the_set_has_a_backend():
     assert {name: backend_for(name, "cpu") for name in OPS} == dict.fromkeys(OPS, "reference")
     cuda = {name: backend_for(name, "cuda") for name in OPS}
     assert cuda == {**dict.fromkeys(OPS, "triton"), "set_seq_len": "reference"}
-    with pytest.raises(ValueError, match="not an op of op set v1"):
+    with pytest.raises(ValueError, match="not an op of op set v2"):
         backend_for("window_magic", "cuda")
 
 
@@ -55,7 +56,7 @@ from b12x_toolchain.runtime.ops import triton_rows
 from b12x_toolchain.runtime.ops import triton_window
 from b12x_toolchain.runtime.ops import cuda_kernels
 from benchmarks.kernel_cases import window_case
-R = torch.ops.b12x
+R = torch.ops.b12x_toolchain
 
 def results():
     case = window_case(torch.Generator().manual_seed(0), 3, 8, 64, 16)

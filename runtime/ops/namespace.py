@@ -1,0 +1,9 @@
+"""The torch op namespace and version of b12x's op set.
+
+Not `b12x`: FlashInfer's embedded kernel library and PyPI's `b12x` register ops under that
+name, and two libraries defining one op name in one process cannot both load. The op set
+is versioned as a whole; a package records the version its graphs call.
+"""
+
+NAMESPACE = "b12x_toolchain"
+OPSET_VERSION = 2

@@ -1,0 +1,203 @@
+"""Op set v2's context-proportional ops: the indexer's choice and sparse attention.
+
+A compressed layer's entries are addressed by absolute entry id `j` (the group of
+positions `j * ratio .. (j + 1) * ratio - 1`). For a pass starting at `positions[r]`,
+ids below `committed = positions[r] // ratio` are stored in the slot's cache; the pass
+creates the others itself, entry `j` at pass row `t = (j + 1) * ratio - 1 - positions[r]`
+(the row whose position closes the group), and a query at position `p` may see every id
+below `(p + 1) // ratio`. Every op here reads only those live entries — what the lengths
+(positions) say, never the cache's capacity — and returns static shapes, so a CUDA
+graph captures them and their cost follows the request rather than `max_seq_len`.
+
+Index lists are int32, ascending, `-1`-padded at the end. The references below run on
+any device (CPU in the suite); `cuda_kernels` registers Triton kernels for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE
+
+NEG_INF = float("-inf")
+
+
+def closing_ids(positions: torch.Tensor, width: int, ratio: int) -> torch.Tensor:
+    """[R, width] id of the entry whose group closes at each pass row, -1 where none does."""
+    pos = positions.long()[:, None] + torch.arange(width, device=positions.device)
+    return torch.where((pos + 1) % ratio == 0, pos // ratio, -1)
+
+
+def visible_below(positions: torch.Tensor, width: int, ratio: int) -> torch.Tensor:
+    """[R, width] how many entries (ids below this) the query at each pass row may see."""
+    return (positions.long()[:, None] + torch.arange(width, device=positions.device) + 1) // ratio
+
+
+def entry_rows(cache, new, row_ids, positions, ids, ratio: int, dim: int, fmt: str) -> torch.Tensor:
+    """Decoded entries [*ids.shape, dim] for ids [R, ...]; zeros where an id is -1.
+
+    Stored ids are read from the cache (only those, decoded once each per occurrence);
+    this pass's come from `new` [R, T, dim], already as a later read returns them.
+    """
+    R = ids.shape[0]
+    flat = ids.reshape(R, -1).long()
+    committed = positions.long()[:, None] // ratio
+    stored, fresh = (flat >= 0) & (flat < committed), flat >= committed
+    out = torch.zeros(R, flat.shape[1], dim, dtype=torch.float32, device=new.device)
+    slots = row_ids.long()[:, None].expand_as(flat)
+    if bool(stored.any()):
+        out[stored] = get_format(fmt).decode(cache[slots[stored], flat[stored]], dim)
+    if bool(fresh.any()):
+        pass_row = (flat + 1) * ratio - 1 - positions.long()[:, None]
+        rows = torch.arange(R, device=flat.device)[:, None].expand_as(flat)
+        out[fresh] = new[rows[fresh], pass_row[fresh]].float()
+    return out.view(*ids.shape, dim)
+
+
+def _row_scores(q, head_weights, index_cache, new_keys, row_ids, positions, r: int, ratio: int, fmt: str):
+    """(ids [n], score [T, n]) over row r's live entries; -inf where a query may not see one."""
+    T, dim = q.shape[1], q.shape[-1]
+    committed = int(positions[r]) // ratio
+    closing = closing_ids(positions[r : r + 1], T, ratio)[0]
+    fresh_rows = (closing >= 0).nonzero().flatten()
+    stored = get_format(fmt).decode(index_cache[int(row_ids[r]), :committed], dim)
+    keys = torch.cat([stored, new_keys[r, fresh_rows].float()], dim=0)
+    ids = torch.cat([torch.arange(committed, device=keys.device), closing[fresh_rows]])
+    # Same order of operations as the dense indexer: ReLU per head, scale, weight, sum.
+    per_head = torch.relu(torch.einsum("thd,sd->ths", q[r], keys)) * dim ** -0.5
+    score = (per_head * head_weights[r][..., None]).sum(dim=1)
+    visible = ids[None, :] < visible_below(positions[r : r + 1], T, ratio)[0][:, None]
+    return ids, score.masked_fill(~visible, NEG_INF)
+
+
+def _top_ids(score: torch.Tensor, ids: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """out[t] = the ids of the k best finite scores, ascending, -1 padded.
+
+    Ties go to the earlier entry: ids are in ascending order and the sort is stable,
+    so the choice is a property of the positions, not of how many entries a pass holds.
+    """
+    take = min(k, score.shape[-1])
+    out.fill_(-1)
+    if take == 0:
+        return
+    order = torch.sort(score, dim=-1, descending=True, stable=True)
+    chosen = torch.where(order.values[:, :take] > NEG_INF, ids[order.indices[:, :take]], -1)
+    big = torch.iinfo(torch.int64).max
+    ascending = torch.sort(torch.where(chosen >= 0, chosen, big), dim=-1).values
+    out[:, :take] = torch.where(ascending == big, -1, ascending).to(out.dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
+def indexer_topk(
+    q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, new_keys: torch.Tensor,
+    row_ids: torch.Tensor, positions: torch.Tensor, candidates: Optional[torch.Tensor], ratio: int,
+    block_size: int, topk: int, fmt: str,
+) -> torch.Tensor:
+    """The lightning indexer's top-k: int32 [R, T, topk] entry ids.
+
+    q [R, T, H, D] index queries (RoPE applied), head_weights [R, T, H], index_cache the
+    source layer's stored index keys, new_keys [R, T, D] this pass's. Score of entry j:
+    sum_h relu(q_h . k_j) / sqrt(D) * w_h over the entries the query may see; where
+    `candidates` [R, T, C] (block ids, -1 padded) is given, only entries whose block
+    `j // block_size` is among them.
+    """
+    R, T = q.shape[:2]
+    out = torch.empty(R, T, topk, dtype=torch.int32, device=q.device)
+    for r in range(R):
+        ids, score = _row_scores(q, head_weights, index_cache, new_keys, row_ids, positions, r, ratio, fmt)
+        if candidates is not None:
+            block = (ids // block_size)[None, :, None]
+            allowed = (block == candidates[r].long()[:, None, :]).any(dim=-1)
+            score = score.masked_fill(~allowed, NEG_INF)
+        _top_ids(score, ids, topk, out[r])
+    return out
+
+
+@torch.library.custom_op(f"{NAMESPACE}::candidate_blocks", mutates_args=())
+def candidate_blocks(
+    q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, new_keys: torch.Tensor,
+    row_ids: torch.Tensor, positions: torch.Tensor, ratio: int, block_size: int, blocks: int, fmt: str,
+) -> torch.Tensor:
+    """Hierarchical candidates: int32 [R, T, blocks + 1] block ids.
+
+    The `blocks` blocks of `block_size` entries with the best maximum score (ascending,
+    -1 padded, ties to the earlier block), then always the block of the newest entry the
+    query may see (block 0 when it sees none).
+    """
+    R, T = q.shape[:2]
+    out = torch.empty(R, T, blocks + 1, dtype=torch.int32, device=q.device)
+    newest = (visible_below(positions, T, ratio) - 1).clamp(min=0) // block_size
+    for r in range(R):
+        ids, score = _row_scores(q, head_weights, index_cache, new_keys, row_ids, positions, r, ratio, fmt)
+        block = ids // block_size
+        count = int(block.max()) + 1 if block.numel() else 0
+        best = torch.full((T, count), NEG_INF, device=q.device).scatter_reduce(
+            -1, block[None, :].expand(T, -1), score, "amax")
+        _top_ids(best, torch.arange(count, device=q.device), blocks, out[r, :, :blocks])
+        out[r, :, blocks] = newest[r].to(torch.int32)
+    return out
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sparse_attention", mutates_args=())
+def sparse_attention(
+    q: torch.Tensor, window: torch.Tensor, window_visible: torch.Tensor, sinks: torch.Tensor,
+    entry_cache: Optional[torch.Tensor], new_entries: Optional[torch.Tensor], row_ids: torch.Tensor,
+    positions: torch.Tensor, indices: Optional[torch.Tensor], ratio: int, fmt: str,
+) -> torch.Tensor:
+    """Latent MQA (K = V) with a sink: q [R, T, H, D] -> [R, T, H, D] fp32.
+
+    One softmax over the window rows [R, S, D] each query may see (window_visible
+    [R, T, S]), the compressed entries it attends to, and the sink (one more logit per
+    head that takes probability mass and returns nothing). Entries: none without an
+    entry cache; the listed ids where `indices` [R, T, K] is given; otherwise every
+    entry the query may see (layers without an indexer), by length.
+    """
+    R, T, H, D = q.shape
+    scale = D ** -0.5
+    # Zero window rows no query may see: stale or poisoned bytes must not reach 0 * NaN.
+    keys = torch.where(window_visible.any(dim=1)[..., None], window, torch.zeros_like(window))
+    parts = [torch.einsum("rthd,rsd->rths", q, keys).mul(scale).masked_fill(~window_visible[:, :, None, :], NEG_INF)]
+    entries = None
+    if entry_cache is not None:
+        if indices is not None:
+            entries = entry_rows(entry_cache, new_entries, row_ids, positions, indices, ratio, D, fmt)  # [R,T,K,D]
+            score = torch.einsum("rthd,rtkd->rthk", q, entries).mul(scale)
+            parts.append(score.masked_fill((indices < 0)[:, :, None, :], NEG_INF))
+        else:
+            below = visible_below(positions, T, ratio)
+            ids = torch.arange(int(below.max()), device=q.device).expand(R, -1)
+            ids = torch.where(ids < below[:, -1:], ids, -1)
+            entries = entry_rows(entry_cache, new_entries, row_ids, positions, ids, ratio, D, fmt)  # [R,N,D]
+            score = torch.einsum("rthd,rnd->rthn", q, entries).mul(scale)
+            seen = (ids[:, None, :] >= 0) & (ids[:, None, :] < below[..., None])
+            parts.append(score.masked_fill(~seen[:, :, None, :], NEG_INF))
+    parts.append(sinks.view(1, 1, H, 1).expand(R, T, H, 1).float())
+    logits = torch.cat(parts, dim=-1)
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)
+    S = keys.shape[1]
+    out = torch.einsum("rths,rsd->rthd", probs[..., :S], keys)
+    if entries is not None:
+        rule = "rthk,rtkd->rthd" if indices is not None else "rthn,rnd->rthd"
+        out = out + torch.einsum(rule, probs[..., S:-1], entries)
+    return out
+
+
+@indexer_topk.register_fake
+def _(q, head_weights, index_cache, new_keys, row_ids, positions, candidates, ratio, block_size, topk, fmt):
+    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)
+
+
+@candidate_blocks.register_fake
+def _(q, head_weights, index_cache, new_keys, row_ids, positions, ratio, block_size, blocks, fmt):
+    return q.new_empty((q.shape[0], q.shape[1], blocks + 1), dtype=torch.int32)
+
+
+@sparse_attention.register_fake
+def _(q, window, window_visible, sinks, entry_cache, new_entries, row_ids, positions, indices, ratio, fmt):
+    return torch.empty_like(q, dtype=torch.float32)
+
+
+SPARSE_OPS = ("indexer_topk", "candidate_blocks", "sparse_attention")
