@@ -61,25 +61,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rotated], dim=-1)
 
 
-# --- attention -----------------------------------------------------------------------
-
-def mask_unseen(keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Zero key rows no query may see: stale or poisoned bytes must not reach 0 * NaN."""
-    return torch.where(visible.any(dim=1)[..., None], keys, torch.zeros_like(keys))
-
-
-def attend_with_sink(q, keys, visible, sinks):
-    """Latent MQA (K = V): q [R,T,H,D], keys [R,S,D], visible [R,T,S] -> [R,T,H,D].
-
-    The sink is one more logit per head that takes probability mass and returns nothing.
-    """
-    scores = torch.einsum("rthd,rsd->rths", q, keys) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    sink = sinks.view(1, 1, -1, 1).expand(*scores.shape[:-1], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
-    return torch.einsum("rths,rsd->rthd", probs, keys)
-
+# --- attention output (attention itself is the op set's sparse_attention) -------------
 
 def grouped_out(w, a, out, groups):
     """Grouped low-rank output projection: per head group to o_lora_rank, then mixed."""
@@ -88,20 +70,6 @@ def grouped_out(w, a, out, groups):
     wa = w[a + "o_a_proj.weight"]
     y = torch.einsum("rtgi,goi->rtgo", x, wa.view(groups, -1, x.shape[-1]))
     return F.linear(y.flatten(2), w[a + "o_b_proj.weight"])
-
-
-def top_k_mask(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Mask of the k largest finite scores along the last axis; ties go to the earlier entry.
-
-    Index scores tie exactly (a ReLU zero in every head), and which tied entry an unstable
-    top-k keeps would depend on the row width, so a chunked prefill and a single forward
-    could attend to different entries. Entries are laid out in position order, so a
-    stable sort makes the choice a property of the positions alone.
-    """
-    k = min(k, score.shape[-1])
-    order = torch.sort(score, dim=-1, descending=True, stable=True)
-    return torch.zeros_like(score, dtype=torch.bool).scatter(
-        -1, order.indices[..., :k], order.values[..., :k] > float("-inf"))
 
 
 # --- hyper-connections -----------------------------------------------------------------

@@ -10,11 +10,14 @@ ranks its source's keys with its own queries, a Reuse layer takes both unchanged
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-from b12x_toolchain.exporter.model.blocks import (attend_with_sink, grouped_out, hc_head, hc_merge, hc_mix, inv_freq, mask_unseen, moe,
-                                  pool, rms_norm, rope, rope_angles, top_k_mask, unit_rms_norm)
+from b12x_toolchain.exporter.model.blocks import (grouped_out, hc_head, hc_merge, hc_mix, inv_freq, moe, pool, rms_norm, rope,
+                                                  rope_angles, unit_rms_norm)
 from b12x_toolchain.exporter.model.cache_io import _before
 from b12x_toolchain.runtime.ops.opset import ops
 
@@ -23,7 +26,20 @@ class Shared:
     """What compressed layers hand on within one pass: entries by kv source, choices by index source."""
 
     def __init__(self):
-        self.keys, self.index_keys, self.visible, self.candidates, self.chosen = {}, {}, {}, {}, {}
+        self.keys, self.index_keys, self.candidates, self.chosen = {}, {}, {}, {}
+
+
+@dataclass(frozen=True)
+class Entries:
+    """The compressed entries a layer attends to: where they live, and which (None: all it may see)."""
+
+    cache: torch.Tensor
+    new: torch.Tensor
+    row_ids: torch.Tensor
+    positions: torch.Tensor
+    indices: Optional[torch.Tensor]
+    ratio: int
+    fmt: str
 
 
 class DeepSeekCompute(torch.nn.Module):
@@ -69,10 +85,12 @@ class DeepSeekCompute(torch.nn.Module):
         if block_from is not None:
             ordered = ordered | (torch.arange(keys.shape[1], device=pos.device) >= block_from)[None, None, :]
         visible = (kp > qp - d.window) & (kp >= min_pos) & ordered
-        if compressed is not None:
-            extra_keys, extra_visible = compressed(x, q_res)
-            keys, visible = torch.cat([keys, extra_keys], 1), torch.cat([visible, extra_visible], 2)
-        out = attend_with_sink(q, mask_unseen(keys, visible), visible, w[a + "sinks"])
+        if compressed is None:  # window only; row ids and positions are not read without entries
+            out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], None, None, pos[:, 0], pos[:, 0], None, 1, "fp32")
+        else:
+            e = compressed(x, q_res)
+            out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], e.cache, e.new, e.row_ids, e.positions,
+                                       e.indices, e.ratio, e.fmt)
         out = rope(out, cos[:, :, None], -sin[:, :, None])  # K = V carried RoPE into the output
         streams = hc_merge(post, comb, grouped_out(w, a, out.flatten(2), d.o_groups), streams)
         post, comb, collapsed = hc_mix(w, p + "ffn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
@@ -85,11 +103,6 @@ class DeepSeekCompute(torch.nn.Module):
         return F.linear(h, w["lm_head.weight"]), h
 
     # -- compressed entries -----------------------------------------------------------------
-
-    def stored_entries(self, caches, name, ratio, dim, fmt, row_ids):
-        count = self.d.max_seq_len // ratio
-        index = torch.arange(count, device=row_ids.device).expand(row_ids.shape[0], count)
-        return ops.gather_rows(caches[f"cache.{name}"], row_ids, index, dim, fmt)
 
     def pooled(self, w, c, name, ratio, dim, kind, x, pos, io):
         """The normalised latent of the group closing at each position (before RoPE)."""
@@ -108,21 +121,12 @@ class DeepSeekCompute(torch.nn.Module):
         pooled = pool(torch.cat([prev, rows], dim=1), positions, ratio, width, bias, overlap)
         return rms_norm(pooled, w[c + "kv_norm.weight"], d.eps)
 
-    def entries(self, io, caches, row_ids, name, entries, ratio, dim, fmt):
-        """Write (prefill) or stage (verify) this pass's entries; all entries, stored then new."""
-        new = io.entries(name, entries, ratio, fmt)
-        return torch.cat([self.stored_entries(caches, name, ratio, dim, fmt, row_ids), new], dim=1)
-
-    def entry_visibility(self, pos, ratio, count):
-        """Stored entries closed before the pass; this pass's once their group closed at or before t."""
-        R, T = pos.shape
-        stored = torch.arange(count, device=pos.device)[None, :] < (pos[:, :1] // ratio)
-        closes = (pos + 1) % ratio == 0
-        causal = torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()
-        return torch.cat([stored[:, None, :].expand(R, T, count), closes[:, None, :] & causal[None]], dim=2)
+    def entries(self, io, caches, name, values, ratio, fmt):
+        """Write (prefill) or stage (verify) this pass's entries: (stored cache, this pass's as read back)."""
+        return caches[f"cache.{name}"], io.entries(name, values, ratio, fmt)
 
     def compressed_keys(self, w, i, io, caches, row_ids, pos, shared, compress):
-        """attach(x, q_res) -> (keys, visible) for layer i's compressed entries, by kind and role."""
+        """attach(x, q_res) -> Entries layer i attends to, by kind and role."""
         d = self.d
         ratio, kind, role = d.ratios[i], d.kind(i), d.role(i)
         c = f"model.layers.{i}.self_attn.compressor."
@@ -132,9 +136,8 @@ class DeepSeekCompute(torch.nn.Module):
         def attach(x, q_res):
             if role == "full":
                 latent = self.pooled(w, c, f"layer{i}.state", ratio, d.head_dim, kind, x, pos, io)
-                shared.keys[i] = self.entries(io, caches, row_ids, f"layer{i}.compressed", rope(latent, *start), ratio,
-                                              d.head_dim, d.compressed_format)
-                shared.visible[i] = self.entry_visibility(pos, ratio, d.max_seq_len // ratio)
+                shared.keys[i] = self.entries(io, caches, f"layer{i}.compressed", rope(latent, *start), ratio,
+                                              d.compressed_format)
                 if kind == "csa":  # V4: the indexer pools its own keys
                     pooled = self.pooled(w, c + "indexer.", f"layer{i}.index_state", ratio, d.index_head_dim, kind, x,
                                          pos, io)
@@ -146,48 +149,31 @@ class DeepSeekCompute(torch.nn.Module):
                 else:
                     index_keys = None
                 if index_keys is not None:
-                    shared.index_keys[i] = self.entries(io, caches, row_ids, f"layer{i}.index", index_keys, ratio,
-                                                        d.index_head_dim, d.index_format)
-            keys, visible = shared.keys[source], shared.visible[source]
+                    shared.index_keys[i] = self.entries(io, caches, f"layer{i}.index", index_keys, ratio, d.index_format)
             if (d.v4 and kind == "csa") or (not d.v4 and role in ("full", "reindex")):
-                shared.chosen[i] = self.indexer(w, c + "indexer.", i, source, x, q_res, pos, visible, shared, compress,
+                shared.chosen[i] = self.indexer(w, c + "indexer.", i, source, x, q_res, pos, row_ids, shared, compress,
                                                 ratio)
             chooser = i if d.v4 else d.index_source[i]
-            if chooser in shared.chosen:
-                visible = visible & shared.chosen[chooser]
-            return keys, visible
+            cache, new = shared.keys[source]
+            return Entries(cache, new, row_ids, pos[:, 0], shared.chosen.get(chooser), ratio, d.compressed_format)
         return attach
 
-    def indexer(self, w, c, layer, source, x, q_res, pos, visible, shared, compress, ratio):
-        """The lightning indexer's choice: the top-k visible entries by its score."""
+    def indexer(self, w, c, layer, source, x, q_res, pos, row_ids, shared, compress, ratio):
+        """The lightning indexer's choice: ids of the top-k entries by its score, [R, T, topk].
+
+        The candidate source layer also picks the hierarchical candidate blocks that later
+        indexers of its keys search within.
+        """
         d = self.d
         R, T = pos.shape
         cos, sin = compress
         q = F.linear(q_res, w[c + "q_b_proj.weight"]).view(R, T, d.index_heads, d.index_head_dim)
         q = rope(q, cos[:, :, None], sin[:, :, None])
-        scores = torch.relu(torch.einsum("rthd,rsd->rths", q, shared.index_keys[source])) * d.index_head_dim ** -0.5
         head_weights = F.linear(x, w[c + "scorer.weights_proj.weight"]) * d.index_heads ** -0.5
-        score = (scores * head_weights[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
-        if source in shared.candidates and layer > d.candidate_source:
-            score = score.masked_fill(~shared.candidates[source], float("-inf"))
+        index_cache, new_keys = shared.index_keys[source]
+        keys = (q, head_weights, index_cache, new_keys, row_ids, pos[:, 0])
+        candidates = shared.candidates.get(source) if layer > d.candidate_source else None
         if layer == d.candidate_source:
-            shared.candidates[source] = self.candidate_blocks(score, pos, ratio)
-        return top_k_mask(score, d.index_topk)
-
-    def candidate_blocks(self, score, pos, ratio):
-        """Entries in the top blocks of `candidate_block_size` entries by their best score,
-        always with the block of the newest visible entry (hierarchical candidates)."""
-        d = self.d
-        R, T, S = score.shape
-        count, size = d.max_seq_len // ratio, d.candidate_block_size
-        entry = torch.cat([torch.arange(count, device=pos.device).expand(R, count), pos // ratio], dim=1)
-        blocks = -(-count // size)
-        # Rows past max_seq_len (prefill padding) name blocks that do not exist; no valid
-        # query sees their entries, so any in-range block will do.
-        block = (entry // size).clamp(max=blocks - 1)[:, None, :].expand(R, T, S)
-        best = torch.full((R, T, blocks), float("-inf"), device=pos.device).scatter_reduce(
-            -1, block, score, "amax")
-        keep = top_k_mask(best, d.candidate_blocks)
-        newest = (((pos + 1) // ratio - 1).clamp(min=0) // size).clamp(max=blocks - 1)
-        keep = keep.scatter(-1, newest[..., None], torch.ones_like(newest[..., None], dtype=torch.bool))
-        return keep.gather(-1, block)
+            shared.candidates[source] = ops.candidate_blocks(*keys, ratio, d.candidate_block_size, d.candidate_blocks,
+                                                             d.index_format)
+        return ops.indexer_topk(*keys, candidates, ratio, d.candidate_block_size, d.index_topk, d.index_format)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
@@ -94,13 +95,14 @@ def test_quantised_formats_stay_within_bound(quantised_pkg, tiny_recipe, expecte
 # --- CSA2 roles and cache sizes ---------------------------------------------------------
 
 def _buffers_touched(pkg, pass_name):
-    """Names of the caller-owned buffers every b12x op of a pass graph reads or writes."""
+    """Names of the caches and staging buffers every op-set op of a pass graph reads or writes."""
     info = pkg.passes[pass_name]
     names = dict(zip(info.program.graph_signature.user_inputs, (s.name for s in info.inputs)))
     touched = []
     for node in info.program.graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith("b12x."):
-            touched += [names[a.name] for a in node.args if isinstance(a, torch.fx.Node) and a.name in names]
+        if node.op == "call_function" and str(node.target).startswith(f"{NAMESPACE}."):
+            touched += [names[a.name] for a in node.args if isinstance(a, torch.fx.Node) and a.name in names
+                        and names[a.name].startswith(("cache.", "staging."))]
     return touched
 
 
@@ -124,12 +126,14 @@ def test_each_layer_touches_only_the_caches_its_role_owns(fused_pkg, tiny_recipe
             if d.role(i) in ("reuse", "reindex"):
                 assert want == {"window"}  # never a cache it does not own
         assert {n.split(".", 1)[1] for n in touched if n.startswith("cache.layer")} <= owned
-    # A Reuse layer reads its source's entries from the pass, not the cache again: each
-    # Full layer's compressed entries are gathered once per prefill.
+    # One write per prefill, and one sparse read for each layer attending to a Full layer's
+    # entries (itself, its Reindex and Reuse layers): attention reads the chosen entries
+    # straight from the cache, nothing gathers them all.
     prefill = _buffers_touched(fused_pkg, "prefill")
     for i in range(d.layers):
         if d.role(i) == "full":
-            assert prefill.count(f"cache.layer{i}.compressed") == 2  # one gather, one write
+            readers = sum(1 for j in range(d.layers) if d.ratios[j] and d.kv_source[j] == i)
+            assert readers >= 2 and prefill.count(f"cache.layer{i}.compressed") == 1 + readers
 
 
 def test_full_size_cache_bytes_per_token(monkeypatch):
