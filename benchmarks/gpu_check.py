@@ -19,7 +19,13 @@ passed. Checks, for the tiny recipe and the full-size window writer shapes:
 * kernel nodes of every captured graph, counted through the CUDA graph API: the fused
   graph has exactly one fewer per fused window layer;
 * graph replays per second, fused vs unfused: fused at least as fast;
-* fused writer bandwidth at least 70% of a device-to-device copy of the same bytes.
+* fused writer bandwidth at least 70% of a device-to-device copy of the same bytes;
+* sparse ops (`indexer_topk`, `candidate_blocks`, `sparse_attention`) against the CPU
+  reference on the test suite's cases (`kernel_cases.SPARSE_CASES`, caches poisoned past
+  the committed length): index outputs identical, attention within 1e-5; then at
+  committed lengths 1k / 4k / 16k in one capacity (16k + 64): identical again (scores
+  built exact, so rounding cannot decide a choice), and each op captured in a CUDA graph
+  (no host sync) and timed at the full model's shapes, where time must follow the length.
 
 `--device cpu` runs what it can on the CPU (kernels in Triton's interpreter, sessions
 without capture); it checks this script, and proves nothing about a GPU.
@@ -79,7 +85,7 @@ def kernel_bytes(device: str) -> None:
     from b12x_toolchain.runtime.formats.codecs import get_format
     from benchmarks.kernel_cases import kv_rows, window_case
 
-    R = torch.ops.b12x
+    R = torch.ops.b12x_toolchain
     # On CUDA the ops go through the dispatcher (which must pick the Triton kernels); on
     # the CPU dry run the launchers are called directly, in the interpreter.
     win = triton_window if device == "cpu" else R
@@ -135,11 +141,145 @@ def kernel_bytes(device: str) -> None:
         record(f"row ops {fmt} d{dim}", ok, "stage_rows, write_rows(bytes), read_rows identical" if ok else "mismatch")
 
 
+# ---------------------------------------------------------------- sparse ops
+
+SPARSE_LENGTHS = (1024, 4096, 16384)  # committed entries per row in the timing rows
+SPARSE_ROWS = 4
+# The full model's indexer and attention (recipes/dsv41.yaml); candidate blocks of 8.
+SPARSE_FULL = dict(dim=512, heads=64, index_dim=128, index_heads=32, fmt="nvfp4", index_fmt="mxfp4")
+SPARSE_TOPK, SPARSE_FULL_BLOCK, SPARSE_FULL_BLOCKS = 512, 8, 256
+
+
+def _sparse_calls(case: dict, block_size: int, blocks: int, topk: int) -> dict:
+    """name -> (op name, arguments builder taking (case, earlier results)) of every sparse op checked."""
+    from benchmarks.kernel_cases import attention_args, blocks_args, topk_args
+
+    return {
+        "topk": ("indexer_topk", lambda c, got: topk_args(c, None, block_size, topk)),
+        "blocks": ("candidate_blocks", lambda c, got: blocks_args(c, block_size, blocks)),
+        "topk in blocks": ("indexer_topk", lambda c, got: topk_args(c, got["blocks"], block_size, topk)),
+        "attention top-k": ("sparse_attention", lambda c, got: attention_args(c, got["topk"])),
+        "attention all": ("sparse_attention", lambda c, got: attention_args(c, None)),
+    }
+
+
+def compare_sparse(ops, case: dict, device: str, block_size: int, blocks: int, topk: int) -> list[str]:
+    """Every sparse op through `ops` on `device` against the reference on the CPU: what differs.
+
+    Each op gets the reference's earlier results (top-k ids, candidate blocks) as inputs,
+    so one wrong op is reported once.
+    """
+    import torch
+
+    ref = torch.ops.b12x_toolchain
+    dev = {k: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    want, problems = {}, []
+    for name, (op, args) in _sparse_calls(case, block_size, blocks, topk).items():
+        want[name] = getattr(ref, op)(*args(case, want))
+        got = getattr(ops, op)(*args(dev, {k: v.to(device) for k, v in want.items()})).cpu()
+        if op == "sparse_attention":
+            if not torch.allclose(got, want[name], rtol=1e-5, atol=1e-6):
+                problems.append(f"{name}: max error {(got - want[name]).abs().max().item():.2e}")
+        elif not torch.equal(got, want[name]):
+            problems.append(f"{name}: {(got != want[name]).any(-1).sum().item()} queries differ")
+    return problems
+
+
+def sparse_kernels(device: str, specs=None, extras: bool = True) -> None:
+    import torch
+
+    from b12x_toolchain.runtime.ops import triton_indexer, triton_sparse
+    from benchmarks.kernel_cases import (SPARSE_BLOCK_SIZE, SPARSE_BLOCKS, SPARSE_CASES, small_sparse_case,
+                                         sparse_case_id)
+
+    # On CUDA through the dispatcher; on the CPU dry run the launchers, in the interpreter.
+    class Launchers:
+        indexer_topk = staticmethod(triton_indexer.indexer_topk)
+        candidate_blocks = staticmethod(triton_indexer.candidate_blocks)
+        sparse_attention = staticmethod(triton_sparse.sparse_attention)
+
+    ops = Launchers if device == "cpu" else torch.ops.b12x_toolchain
+    cases = [(sparse_case_id(spec), small_sparse_case(spec)) for spec in specs or SPARSE_CASES]
+    if extras:
+        cases += [("all scores tied", small_sparse_case(SPARSE_CASES[2], ties=True)),
+                  ("exact scores", small_sparse_case((1, [20, 33, 2], 8, "nvfp4", "mxfp4", 64), exact=True))]
+    for name, case in cases:
+        problems = compare_sparse(ops, case, device, SPARSE_BLOCK_SIZE, SPARSE_BLOCKS, 5)
+        record(f"sparse ops {name}", not problems,
+               "; ".join(problems) or "top-k, blocks, top-k in blocks identical; attention within 1e-5")
+
+
+def sparse_length_case(committed: int, exact: bool, device: str = "cpu") -> dict:
+    """SPARSE_ROWS rows at ratio 1 that have each committed `committed` entries, in a cache
+    of one capacity for every length; `exact`: index dim 64 with grid-valued scores."""
+    import torch
+
+    from benchmarks.kernel_cases import sparse_case
+
+    shape = dict(SPARSE_FULL, index_dim=64) if exact else SPARSE_FULL
+    return sparse_case(torch.Generator().manual_seed(committed), [committed] * SPARSE_ROWS, 8, 1,
+                       capacity=max(SPARSE_LENGTHS) + 64, slots=SPARSE_ROWS, exact=exact, device=device, **shape)
+
+
+def _graph_seconds(fn, rounds: int = 10) -> float:
+    """Median seconds per call of `fn` replayed in a CUDA graph of LAUNCHES_PER_GRAPH calls."""
+    import torch
+
+    graph = _graph_of(fn, LAUNCHES_PER_GRAPH)
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0 / LAUNCHES_PER_GRAPH)
+    return statistics.median(times)
+
+
+def sparse_timing() -> None:
+    import torch
+
+    ops = torch.ops.b12x_toolchain
+    seconds: dict[str, dict[int, float]] = {}
+    for committed in SPARSE_LENGTHS:
+        label = f"{committed // 1024}k"
+        problems = compare_sparse(ops, sparse_length_case(committed, exact=True), "cuda", SPARSE_FULL_BLOCK,
+                                  SPARSE_FULL_BLOCKS, SPARSE_TOPK)
+        record(f"sparse ops = CPU at {label} committed", not problems,
+               "; ".join(problems) or "index outputs identical, attention within 1e-5")
+        case = sparse_length_case(committed, exact=False, device="cuda")
+        got: dict = {}
+        for name, (op, args) in _sparse_calls(case, SPARSE_FULL_BLOCK, SPARSE_FULL_BLOCKS, SPARSE_TOPK).items():
+            call_args = args(case, got)
+            got[name] = getattr(ops, op)(*call_args)
+            try:
+                t = _graph_seconds(lambda: getattr(ops, op)(*call_args))
+            except Exception as exc:  # a host sync makes capture fail: that is the finding
+                record(f"sparse time {name} {label}", False, f"not capturable in a CUDA graph: {exc}")
+                continue
+            seconds.setdefault(name, {})[committed] = t
+            record(f"sparse time {name} {label}", True, f"{t * 1e6:,.1f} us per call, captured in a CUDA graph")
+    short, long = min(SPARSE_LENGTHS), max(SPARSE_LENGTHS)
+    for name, by_length in seconds.items():
+        if short in by_length and long in by_length:
+            growth = by_length[long] / by_length[short]
+            # Attention over listed ids reads SPARSE_TOPK entries at any length: informational.
+            record(f"sparse cost follows length: {name}", None if name == "attention top-k" else growth > 2.0,
+                   f"{long // 1024}k / {short // 1024}k committed: {growth:.1f}x the time, same capacity")
+
+
 # ---------------------------------------------------------------- sessions
 
 
 def poison(session) -> None:
     session.poison()
+
+
+def staging_of(session, pass_name: str, kind: str | None = None) -> list[str]:
+    """The staging buffers a pass writes (of one kind), from the manifest's data, not names."""
+    return [s.name for s in session.package.passes[pass_name].inputs
+            if s.role == "staging" and (kind is None or s.info.kind == kind)]
 
 
 def poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept):
@@ -150,10 +290,10 @@ def poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept
     """
     poison(session)
     draft = session.replay("draft", tokens=draft_tokens, row_ids=slots, positions=positions)["logits"].clone()
-    staging = {k: v.clone() for k, v in session.staging.items() if k.startswith("staging.draft.")}
+    staging = {k: session.staging[k].clone() for k in staging_of(session, "draft")}
     poison(session)
     verify = session.replay("verify", tokens=verify_tokens, row_ids=slots, positions=positions)["logits"].clone()
-    staging.update({k: v.clone() for k, v in session.staging.items() if k.startswith("staging.verify.")})
+    staging.update({k: session.staging[k].clone() for k in staging_of(session, "verify")})
     session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
     return draft, verify, staging
 
@@ -213,9 +353,8 @@ def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
         poison(session)
         session.replay("verify", tokens=tokens, row_ids=slots, positions=positions)
     same_history, appended, differing = True, 0, 0
-    for name, staging in cpu.staging.items():
-        if not name.startswith("staging.verify.") or not name.endswith(".window"):
-            continue
+    for name in staging_of(cpu, "verify", "window_staging"):
+        staging = cpu.staging[name]
         a, b = token_view(gpu_session.staging[name][:3]).cpu(), token_view(staging[:3])
         same_history &= torch.equal(a[:, :128], b[:, :128])
         appended += 3 * 8
@@ -375,7 +514,7 @@ def bandwidth() -> None:
     written = rows * (128 + width) * row_bytes
     src = torch.randint(0, 256, (written,), dtype=torch.uint8, device="cuda", generator=gen)
     dst = torch.empty_like(src)
-    fused = lambda: torch.ops.b12x.window_snapshot_append(ring, staging, kv, row_ids, positions, 128, "NHD", page, "mxfp8")
+    fused = lambda: torch.ops.b12x_toolchain.window_snapshot_append(ring, staging, kv, row_ids, positions, 128, "NHD", page, "mxfp8")
     copy = lambda: dst.copy_(src)
     # Each side is captured as a graph of back-to-back launches, so the timing sees GPU
     # time only, not the host's dispatch between launches.
@@ -445,10 +584,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment(args.device)
     print("environment:", json.dumps(env), flush=True)
-    for part in (kernel_bytes, sessions):
+    for part in (kernel_bytes, sparse_kernels, sessions):
         part(args.device)
     if args.device == "cuda":
         bandwidth()
+        sparse_timing()
     elapsed = time.perf_counter() - started
     failed = [c.name for c in RESULTS if c.ok is False]
     print()

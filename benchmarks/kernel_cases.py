@@ -63,3 +63,115 @@ def window_case(gen: torch.Generator, rows: int, width: int, dim: int, page_size
         "accept_len": torch.tensor([width, 0, 3, 1][:rows], dtype=torch.int32),
     }
     return {k: v.to(device) for k, v in case.items()}
+
+
+# ---------------------------------------------------------------- sparse ops (sparse_ops.py)
+
+# (ratio, positions, width, entry format, index format, index dim): every cache format for
+# entries and index keys, index dims 64 and 128, widths 8 and 7, rows 1 and 3; positions
+# where nothing is committed yet (0, and below the ratio), where the pass closes groups
+# (every row at ratio 1; 3 -> 4 and 255 -> 256 at its first row) and where it closes none
+# (130 at ratio 128).
+SPARSE_CASES = [
+    (1, [0, 5, 30], 8, "nvfp4", "mxfp4", 128),
+    (2, [9], 7, "mxfp8", "nvfp4", 64),
+    (4, [3, 0, 64], 8, "mxfp4", "fp32", 128),
+    (128, [0, 130, 255], 7, "fp32", "mxfp8", 64),
+]
+SPARSE_BLOCK_SIZE, SPARSE_BLOCKS = 4, 3  # candidate blocks of the small cases
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def sparse_case_id(spec) -> str:
+    ratio, positions, width, fmt, index_fmt, index_dim = spec
+    return f"ratio{ratio}-rows{len(positions)}-w{width}-{fmt}-{index_fmt}{index_dim}"
+
+
+def small_sparse_case(spec, seed: int = 0, **kw) -> dict:
+    """`sparse_case` of one SPARSE_CASES entry (or one like it)."""
+    ratio, positions, width, fmt, index_fmt, index_dim = spec
+    return sparse_case(torch.Generator().manual_seed(seed + ratio), positions, width, ratio, fmt=fmt,
+                       index_fmt=index_fmt, index_dim=index_dim, **kw)
+
+
+def _grid_rows(gen: torch.Generator, shape: tuple, dim: int) -> torch.Tensor:
+    """Values on the E2M1 grid, each 16-block holding a 6: every format stores them exactly."""
+    grid = torch.tensor(E2M1_GRID)
+    x = grid[torch.randint(0, len(grid), (*shape, dim), generator=gen)]
+    x = x * torch.where(torch.rand(x.shape, generator=gen) < 0.5, -1.0, 1.0)
+    x[..., ::16] = 6.0  # a block maximum of 6: scale 1 in nvfp4 and mxfp4, exact in mxfp8
+    return x
+
+
+def sparse_case(gen: torch.Generator, positions: list[int], width: int, ratio: int, *, fmt: str = "nvfp4",
+                index_fmt: str = "mxfp4", index_dim: int = 64, dim: int = 64, heads: int = 4,
+                index_heads: int = 4, capacity: int | None = None, slots: int = 4, ties: bool = False,
+                exact: bool = False, device="cpu") -> dict:
+    """Arguments of `indexer_topk`, `candidate_blocks` and `sparse_attention` for these rows.
+
+    Cache bytes past each row's committed length (`positions[r] // ratio`) are 0xFF: NaN in
+    every format, so an op that reads past the length shows it. `ties`: every index score
+    is an exact 0 (keys opposite to the queries, ReLU'd away), so the tie rule decides all.
+    `exact`: queries, weights and keys on coarse grids with `index_dim` 64, so every score
+    is exact in fp32 in any summation order (the selection cannot depend on rounding), and
+    stored keys in equal pairs (ids 2i, 2i + 1), so nonzero scores tie. Otherwise scores
+    are random floats without exact ties, except ReLU zeros where every head's product is
+    negative.
+    """
+    rows = len(positions)
+    committed = [p // ratio for p in positions]
+    capacity = capacity or max(max(committed), 1) + 16
+    if exact:
+        index = _grid_rows(gen, (slots, capacity), index_dim)
+        index[:, 1::2] = index[:, 0::2][:, : capacity // 2]  # equal pairs: an odd k splits a tie
+        iq = torch.randint(-2, 3, (rows, width, index_heads, index_dim), generator=gen) / 2.0
+        weights = torch.randint(1, 9, (rows, width, index_heads), generator=gen) / 8.0
+        new_keys = _grid_rows(gen, (rows, width), index_dim)
+    else:
+        index = torch.randn(slots, capacity, index_dim, generator=gen)
+        iq = torch.randn(rows, width, index_heads, index_dim, generator=gen)
+        weights = torch.rand(rows, width, index_heads, generator=gen) + 0.1
+        new_keys = torch.randn(rows, width, index_dim, generator=gen)
+    if ties:
+        iq, index, new_keys = iq.abs(), -index.abs(), -new_keys.abs()
+    index_cache = get_format(index_fmt).encode(index)
+    entry_cache = get_format(fmt).encode(torch.randn(slots, capacity, dim, generator=gen))
+    row_ids = torch.randperm(slots, generator=gen)[:rows].to(torch.int32)
+    for r, slot in enumerate(row_ids.tolist()):
+        index_cache[slot, committed[r]:] = 0xFF
+        entry_cache[slot, committed[r]:] = 0xFF
+    # This pass's rows as a later read of the cache returns them.
+    later = lambda x, f, d: get_format(f).decode(get_format(f).encode(x), d)  # noqa: E731
+    window_rows = 6 + width
+    case = {
+        "q": torch.randn(rows, width, heads, dim, generator=gen),
+        "iq": iq, "head_weights": weights,
+        "index_cache": index_cache, "new_keys": later(new_keys, index_fmt, index_dim),
+        "entry_cache": entry_cache, "new_entries": later(torch.randn(rows, width, dim, generator=gen), fmt, dim),
+        "row_ids": row_ids, "positions": torch.tensor(positions, dtype=torch.int32),
+        "window": torch.randn(rows, window_rows, dim, generator=gen),
+        "window_visible": torch.rand(rows, width, window_rows, generator=gen) > 0.3,
+        "sinks": torch.randn(heads, generator=gen),
+    }
+    case = {k: v.to(device) for k, v in case.items()}
+    case.update(ratio=ratio, fmt=fmt, index_fmt=index_fmt, committed=committed)
+    return case
+
+
+def topk_args(case: dict, candidates=None, block_size: int = 4, topk: int = 8) -> tuple:
+    """`indexer_topk`'s arguments for a sparse case."""
+    return (case["iq"], case["head_weights"], case["index_cache"], case["new_keys"], case["row_ids"],
+            case["positions"], candidates, case["ratio"], block_size, topk, case["index_fmt"])
+
+
+def blocks_args(case: dict, block_size: int = 4, blocks: int = 3) -> tuple:
+    """`candidate_blocks`' arguments for a sparse case."""
+    return (case["iq"], case["head_weights"], case["index_cache"], case["new_keys"], case["row_ids"],
+            case["positions"], case["ratio"], block_size, blocks, case["index_fmt"])
+
+
+def attention_args(case: dict, indices=None, entries: bool = True) -> tuple:
+    """`sparse_attention`'s arguments for a sparse case (window only when not `entries`)."""
+    return (case["q"], case["window"], case["window_visible"], case["sinks"],
+            case["entry_cache"] if entries else None, case["new_entries"] if entries else None,
+            case["row_ids"], case["positions"], indices, case["ratio"], case["fmt"])

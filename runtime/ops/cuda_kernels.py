@@ -1,4 +1,4 @@
-"""CUDA implementations of op set v1, registered for the CUDA dispatch key.
+"""CUDA implementations of op set v2, registered for the CUDA dispatch key.
 
 `ops.py` imports this module only when CUDA is available, and the registrations apply
 only to CUDA tensors: CPU tensors keep dispatching to the torch references. Which backend
@@ -12,6 +12,13 @@ Backends:
   are built from Python lists), and the Triton kernels are bit-exact with them by
   construction (`triton_codecs`). Each op is one launch; the fused window op is one
   launch where the unfused pair is two.
+* Triton for the context-proportional ops of `sparse_ops` too: `sparse_attention` is one
+  launch (`triton_sparse`); `indexer_topk` and `candidate_blocks` score the live entries
+  and select from them in two launches, three with candidates (`triton_indexer`). Their
+  int32 index outputs are the reference's exactly (a radix select on the float bits with
+  the reference's tie rule); attention agrees to fp32 rounding (an online softmax sums
+  in another order). Each reads only what the lengths make live, with static shapes and
+  no host sync, so they capture like the rest.
 * The reference for `set_seq_len`: one `index_put_`, which captures as it is.
 
 FlashInfer is not called. Its pinned 0.7.4 writers do not produce these bytes: its
@@ -27,10 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.runtime.ops import triton_rows
+from b12x_toolchain.runtime.ops import triton_indexer, triton_rows, triton_sparse, triton_window
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 
-
-from b12x_toolchain.runtime.ops import triton_window
 KERNELS = {
     "window_snapshot": triton_window.window_snapshot,
     "cache_append": triton_window.cache_append,
@@ -42,6 +48,9 @@ KERNELS = {
     "stage_rows": triton_rows.stage_rows,
     "read_rows": triton_rows.read_rows,
     "round_trip": triton_rows.round_trip,
+    "indexer_topk": triton_indexer.indexer_topk,
+    "candidate_blocks": triton_indexer.candidate_blocks,
+    "sparse_attention": triton_sparse.sparse_attention,
 }
 REFERENCE_ON_CUDA = ("set_seq_len",)  # capturable as written; see the module docstring
 
@@ -49,9 +58,9 @@ _registered = False
 
 
 def backend_for(op_name: str, device_type: str) -> str:
-    """Which implementation serves an op of op set v1 for tensors on this device type."""
+    """Which implementation serves an op of op set v2 for tensors on this device type."""
     if op_name not in KERNELS and op_name not in REFERENCE_ON_CUDA:
-        raise ValueError(f"{op_name!r} is not an op of op set v1")
+        raise ValueError(f"{op_name!r} is not an op of op set v2")
     if device_type == "cuda" and op_name in KERNELS:
         return "triton"
     return "reference"
@@ -63,5 +72,5 @@ def register() -> None:
     if _registered:
         return
     for name, kernel in KERNELS.items():
-        torch.library.register_kernel(f"b12x::{name}", "cuda", kernel)
+        torch.library.register_kernel(f"{NAMESPACE}::{name}", "cuda", kernel)
     _registered = True

@@ -1,4 +1,4 @@
-"""The Triton kernels of op set v1 write exactly the reference's bytes.
+"""The Triton kernels of op set v2 write exactly the reference's bytes.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET before they are imported); with one they run on it. Either way every
@@ -25,7 +25,7 @@ from b12x_toolchain.runtime.ops.triton_codecs import e2m1_code, e4m3_code  # noq
 from benchmarks.kernel_cases import edge_rows, kv_rows, window_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REF = torch.ops.b12x
+REF = torch.ops.b12x_toolchain
 FORMATS = ("mxfp8", "nvfp4", "mxfp4", "bf16", "fp32")
 # 64: the tiny recipe, 512: the full model, 96: not a power of two (padded tiles).
 DIMS = (64, 512, 96)

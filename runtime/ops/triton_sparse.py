@@ -1,0 +1,153 @@
+"""Triton kernel for `sparse_attention`, and the entry-row loader the indexer shares.
+
+Compressed entries are addressed by id: ids below `committed = positions[r] // ratio` are
+decoded from the cache in-kernel with `triton_codecs.load_rows` (the same decoders as
+every other kernel, bit-exact with the formats), and this pass's ids come from the fp32
+`new` rows, entry `j` at pass row `(j + 1) * ratio - 1 - positions[r]`. A kernel touches
+only ids a length allows, so bytes past the committed length are never loaded (poisoned
+ones change nothing) and the cache's capacity costs nothing.
+
+`sparse_attention` is one launch: one program per (row, pass token, block of heads) runs
+an online softmax over the window rows its query sees, then over its entries (the listed
+ids, or every id below its visible count), starting from the sink's logit. No host sync
+and a static output shape, so a CUDA graph captures it. Dot products use IEEE fp32
+(`input_precision="ieee"`, not TF32): the result must stay within 1e-5 of the fp32
+reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.ops.triton_codecs import load_rows
+from b12x_toolchain.runtime.ops.triton_rows import as_units, format_code
+
+MIN_DOT = 16  # tl.dot needs every tile side at least this on a GPU
+
+
+def dot_tile(dim_p2: int, budget: int = 4096) -> int:
+    """Rows per [rows, dim] tile: about `budget` elements, at least MIN_DOT, at most 64."""
+    return max(MIN_DOT, min(64, budget // dim_p2))
+
+
+@triton.jit
+def entry_tile(cache, c_s, c_t, cap, new, n_r, n_t, r, slot, ids, ok, committed, pos, T,
+               RATIO: tl.constexpr, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
+               TOK: tl.constexpr):
+    """float32 [TOK, DIM_P2] rows of entries `ids` [TOK] of row r where ok (0 elsewhere).
+
+    Stored ids (below `committed`, and below the capacity so a bad length cannot read out
+    of bounds) are decoded from cache[slot]; later ids are this pass's rows of `new`.
+    """
+    ids64 = ids.to(tl.int64)
+    stored = ok & (ids < committed) & (ids < cap)
+    x = load_rows(cache + slot * c_s + ids64[:, None] * c_t, stored[:, None], FMT, DIM, DIM_P2, TOK)
+    row = (ids64 + 1) * RATIO - 1 - pos
+    fresh = ok & (ids >= committed) & (row < T)
+    d = tl.arange(0, DIM_P2)[None, :]
+    y = tl.load(new + r * n_r + row[:, None] * n_t + d, mask=fresh[:, None] & (d < DIM), other=0.0)
+    return tl.where(fresh[:, None], y, x)
+
+
+@triton.jit
+def _online_step(qt, keys, seen, m, l, acc, scale):
+    """One tile of the online softmax (K = V): logits of the rows seen, running max m,
+    denominator l and weighted sum acc rescaled to the new max."""
+    logits = tl.dot(qt, tl.trans(keys), input_precision="ieee") * scale
+    logits = tl.where(seen[None, :], logits, float("-inf"))
+    m_new = tl.maximum(m, tl.max(logits, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(logits - m_new[:, None])  # exactly 0 where not seen: m_new is finite
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, keys, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
+def _attention(q, window, visible, sinks, cache, new, row_ids, positions, indices, out,
+               T, S, K, cap, c_s, c_t, n_r, n_t, scale,
+               H: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
+               RATIO: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+               ENTRIES: tl.constexpr, LISTED: tl.constexpr):
+    """Program (r * T + t, head block): out[r, t, heads] over window, entries and sink."""
+    rt = tl.program_id(0)
+    r = rt // T
+    t = rt % T
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, DIM_P2)
+    head_ok = (h < H)[:, None]
+    dim_ok = (d < DIM)[None, :]
+    q_at = (rt.to(tl.int64) * H + h[:, None]) * DIM + d[None, :]
+    qt = tl.load(q + q_at, mask=head_ok & dim_ok, other=0.0)
+    # The sink is one more logit that returns nothing: it starts the running max, and its
+    # exp(sink - max) = 1 is the denominator's first term. A finite start also keeps
+    # exp(-inf - max) at 0 for tiles where nothing is seen.
+    m = tl.load(sinks + h, mask=h < H, other=0.0).to(tl.float32)
+    l = tl.full((BLOCK_H,), 1.0, tl.float32)
+    acc = tl.zeros((BLOCK_H, DIM_P2), tl.float32)
+    for start in range(0, S, BLOCK_N):
+        s = start + tl.arange(0, BLOCK_N)
+        seen = tl.load(visible + rt.to(tl.int64) * S + s, mask=s < S, other=0) != 0
+        # Only rows this query sees are loaded: stale window rows never meet 0 * NaN.
+        at = (r.to(tl.int64) * S + s[:, None]) * DIM + d[None, :]
+        keys = tl.load(window + at, mask=seen[:, None] & dim_ok, other=0.0)
+        m, l, acc = _online_step(qt, keys, seen, m, l, acc, scale)
+    if ENTRIES:
+        pos = tl.load(positions + r).to(tl.int32)
+        committed = pos // RATIO
+        slot = tl.load(row_ids + r).to(tl.int64)
+        if LISTED:
+            for start in range(0, K, BLOCK_N):
+                k = start + tl.arange(0, BLOCK_N)
+                ids = tl.load(indices + rt.to(tl.int64) * K + k, mask=k < K, other=-1).to(tl.int32)
+                ok = ids >= 0
+                keys = entry_tile(cache, c_s, c_t, cap, new, n_r, n_t, r, slot, ids, ok, committed, pos, T,
+                                  RATIO, FMT, DIM, DIM_P2, BLOCK_N)
+                m, l, acc = _online_step(qt, keys, ok, m, l, acc, scale)
+        else:
+            below = (pos + t + 1) // RATIO  # the loop runs to this query's length, not the capacity
+            for start in range(0, below, BLOCK_N):
+                ids = start + tl.arange(0, BLOCK_N)
+                ok = ids < below
+                keys = entry_tile(cache, c_s, c_t, cap, new, n_r, n_t, r, slot, ids, ok, committed, pos, T,
+                                  RATIO, FMT, DIM, DIM_P2, BLOCK_N)
+                m, l, acc = _online_step(qt, keys, ok, m, l, acc, scale)
+    tl.store(out + q_at, acc / l[:, None], mask=head_ok & dim_ok)
+
+
+def sparse_attention(q, window, window_visible, sinks, entry_cache, new_entries, row_ids, positions,
+                     indices, ratio: int, fmt: str) -> torch.Tensor:
+    R, T, H, D = q.shape
+    out = torch.empty(R, T, H, D, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    entries = entry_cache is not None
+    code = format_code(fmt) if entries else 0
+    if entries:
+        get_format(fmt).row_bytes(D)  # rejects a dim the format cannot hold, as the reference's decode
+    q = q.to(torch.float32).contiguous()
+    window = window.to(torch.float32).contiguous()
+    visible = window_visible.contiguous().view(torch.uint8)  # bool bytes, read as 0 / 1
+    sinks = sinks.to(torch.float32).contiguous()
+    listed = entries and indices is not None
+    K = indices.shape[-1] if listed else 0
+    indices = indices.contiguous() if listed else out
+    if entries:
+        cache = as_units(entry_cache, code)
+        new = new_entries.to(torch.float32)
+        new = new if new.stride(-1) == 1 else new.contiguous()
+        cache_args = (cache.shape[1], cache.stride(0), cache.stride(1), new.stride(0), new.stride(1))
+    else:
+        cache = new = out  # unused without entries
+        cache_args = (0, 0, 0, 0, 0)
+    dim_p2 = max(MIN_DOT, triton.next_power_of_2(D))
+    block_h = max(MIN_DOT, min(triton.next_power_of_2(H), 4096 // dim_p2))  # acc is [block_h, dim_p2]
+    _attention[(R * T, triton.cdiv(H, block_h))](
+        q, window, visible, sinks, cache, new, row_ids, positions, indices, out,
+        T, window.shape[1], K, *cache_args, D ** -0.5,
+        H=H, BLOCK_H=block_h, DIM=D, DIM_P2=dim_p2, RATIO=ratio, FMT=code,
+        BLOCK_N=dot_tile(dim_p2), ENTRIES=entries, LISTED=listed)
+    return out
