@@ -11,19 +11,46 @@ from rich.table import Table
 from b12x_toolchain.exporter.cli.common import console, fail
 
 
+def _described(spec: dict, buffers: dict, row_inputs: dict) -> tuple[str, str, str]:
+    """kind, owner (layer N / stage N) and rows (format x dims, /ratio) of one buffer; '-' where none applies."""
+    info = buffers.get(spec["name"]) if spec["role"] in ("cache", "staging") else None
+    if info is None:
+        return row_inputs.get(spec["name"], "-"), "-", "-"
+    owner = f"layer {info['layer']}" if info["layer"] is not None else \
+        f"stage {info['stage']}" if info["stage"] is not None else "-"
+    fmt = f"{info['format']} x{info['dims']}" if info["format"] else "-"
+    if info["ratio"] not in (None, 1):
+        fmt += f" /{info['ratio']}"
+    return info["kind"], owner, fmt
+
+
 def _summary(manifest: dict) -> None:
     console.print(f"[bold]{manifest['name']}[/]  format {manifest['format_version']}  op set {manifest['opset_version']}"
                   f"  abi {manifest['abi_fingerprint']}", highlight=False)
+    buffers = manifest["buffers"]
     for name, entry in manifest["passes"].items():
         table = Table(title=f"pass {name}: width {entry['width']}, rows buckets {entry['rows_buckets']}")
-        for column in ("name", "role", "dtype", "shape"):
+        table.add_column("name", no_wrap=True)  # names are what a reader greps for: never folded
+        for column in ("role", "dtype", "shape", "kind"):
             table.add_column(column)
         for spec in entry["inputs"] + entry["outputs"]:
             if spec["role"] != "weight":
-                table.add_row(spec["name"], spec["role"], spec["dtype"], str(spec["shape"]))
+                table.add_row(spec["name"], spec["role"], spec["dtype"], str(spec["shape"]),
+                              _described(spec, buffers, entry["row_inputs"])[0])
         weights = sum(1 for s in entry["inputs"] if s["role"] == "weight")
-        table.caption = f"+ {weights} weight inputs"
+        staged = f"; persists the staging of {entry['reads_staging_of']}" if entry["reads_staging_of"] else ""
+        table.caption = f"advances {entry['advances'] or '-'}{staged}; + {weights} weight inputs"
         console.print(table)
+    described = Table(title="buffers: what each cache and staging buffer holds",
+                      caption="owner: L target layer, S draft stage; rows: format x dims, /positions per row")
+    for column in ("name", "kind"):
+        described.add_column(column, no_wrap=True)
+    for column in ("owner", "rows"):
+        described.add_column(column)
+    for name in buffers:
+        kind, owner, rows = _described({"name": name, "role": "cache"}, buffers, {})
+        described.add_row(name, kind, owner.replace("layer ", "L").replace("stage ", "S"), rows)
+    console.print(described)
     rewrites = Table(title=f"rewrites: {manifest['rewrites']['pipeline'] or 'none'}")
     for column in ("pass", "rewrite", "matches", "nodes before", "nodes after"):
         rewrites.add_column(column)

@@ -4,11 +4,16 @@ The ABI fingerprint says whether two packages bind the same way; this says how t
 not, one line per change: a pass added or removed, an input or output added, removed or
 renamed (gone under one name, present under another with the same role, dtype and
 shape, at the same place), reordered, or with another role, dtype or symbolic shape.
-Only what binding depends on is compared — not graphs, rewrites or weights' values — so
-fused and unfused packages of one recipe have no differences.
+Since format 2 the manifest also records what each buffer is (kind, layer, format, dims,
+ratio...) and what each pass does (width, advancing input, staging source, row input
+kinds); those are in the fingerprint, and a change to one is a line too. Only what
+binding depends on is compared — not graphs, rewrites or weights' values — so fused and
+unfused packages of one recipe have no differences.
 """
 
 from __future__ import annotations
+
+PASS_DATA = ("width", "advances", "reads_staging_of")
 
 
 def _shape(spec: dict) -> str:
@@ -63,6 +68,24 @@ def diff_buffers(where: str, a: list[dict], b: list[dict]) -> list[str]:
     return lines
 
 
+def diff_data(a: dict, b: dict) -> list[str]:
+    """Changes to the buffer table and pass data of buffers and passes present in both."""
+    lines = []
+    buffers_a, buffers_b = a.get("buffers") or {}, b.get("buffers") or {}
+    for name in sorted(set(buffers_a) & set(buffers_b)):
+        old, new = buffers_a[name], buffers_b[name]
+        lines += [f"buffer {name}: {field} {old.get(field)} -> {new.get(field)}"
+                  for field in sorted(set(old) | set(new)) if old.get(field) != new.get(field)]
+    for name in (n for n in a["passes"] if n in b["passes"]):
+        old, new = a["passes"][name], b["passes"][name]
+        lines += [f"pass {name}: {field} {old.get(field)} -> {new.get(field)}"
+                  for field in PASS_DATA if old.get(field) != new.get(field)]
+        kinds_a, kinds_b = old.get("row_inputs") or {}, new.get("row_inputs") or {}
+        lines += [f"{name} input {n}: kind {kinds_a[n]} -> {kinds_b[n]}"
+                  for n in kinds_a if n in kinds_b and kinds_a[n] != kinds_b[n]]
+    return lines
+
+
 def diff_manifests(a: dict, b: dict) -> list[str]:
     lines = []
     major_a, major_b = (str(m.get("format_version", "")).split(".")[0] for m in (a, b))
@@ -77,4 +100,4 @@ def diff_manifests(a: dict, b: dict) -> list[str]:
         if name in passes_b:
             for side in ("inputs", "outputs"):
                 lines += diff_buffers(f"{name} {side[:-1]}", passes_a[name][side], passes_b[name][side])
-    return lines
+    return lines + diff_data(a, b)

@@ -5,8 +5,10 @@ counts at the same committed positions; every reusable buffer (staging, static i
 and outputs) is poisoned first, so a graph that read stale storage would show. Then the
 outputs, the pass's staging rows and every persistent cache are compared: byte for
 byte, or, given a tolerance, as values — floats directly, encoded cache rows decoded
-with their format first. Commit reads what verify staged, so it runs right after a
-verify of the same rows and its staging is not poisoned in between.
+with their format first. A pass that makes another's staging persistent (commit, whose
+manifest entry says `reads_staging_of: verify`) runs right after that pass on the same
+rows, and its staging is not poisoned in between. What a buffer holds (its row format
+and dims) and how a pass's inputs are made come from the manifest's data, not from names.
 """
 
 from __future__ import annotations
@@ -14,15 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import yaml
 
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import parse_recipe
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.exporter.errors import VerifyError  # noqa: F401  (re-exported)
-
-
-PASS_ORDER = ("prefill", "verify", "draft", "commit")
 
 
 @dataclass(frozen=True)
@@ -47,32 +44,31 @@ def poison(session, staging: bool = True) -> None:
     session.poison(keep_staging=not staging)
 
 
-def buffer_format(name: str, d: Dims) -> tuple[str, int] | None:
-    """(format, dim) of the rows an encoded cache or staging buffer holds (exporter/model/buffers.py names)."""
-    if name.endswith((".window", ".context")):
-        return d.window_format, d.head_dim
-    if name.endswith(".compressed"):
-        return d.compressed_format, d.head_dim
-    if name.endswith(".state"):
-        return d.state_format, 2 * d.head_dim
-    return None
+def buffer_format(spec) -> tuple[str, int] | None:
+    """(format, dims) of the rows an encoded cache or staging buffer holds, as its manifest
+    entry records them; None for buffers that are not encoded rows."""
+    info = spec.info if spec is not None else None
+    if info is None or info.format is None:
+        return None
+    return info.format, info.dims
 
 
-def _values(name: str, tensor: torch.Tensor, d: Dims) -> torch.Tensor | None:
+def _values(spec, tensor: torch.Tensor) -> torch.Tensor | None:
     if tensor.dtype.is_floating_point:
         return tensor.double()
-    fmt = buffer_format(name, d) if tensor.dtype == torch.uint8 else None
+    fmt = buffer_format(spec) if tensor.dtype == torch.uint8 else None
     if fmt is None:
         return None
     return get_format(fmt[0]).decode(tensor.reshape(-1, tensor.shape[-1]), fmt[1]).double()
 
 
-def compare(name: str, a: torch.Tensor, b: torch.Tensor, d: Dims, tolerance: Tolerance | None) -> str | None:
-    """None when equal (or within tolerance), else what differs."""
+def compare(name: str, a: torch.Tensor, b: torch.Tensor, spec, tolerance: Tolerance | None) -> str | None:
+    """None when equal (or within tolerance), else what differs; `spec` (None for outputs)
+    says how encoded rows decode."""
     bytes_a, bytes_b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     if torch.equal(bytes_a, bytes_b):
         return None
-    values = (_values(name, a, d), _values(name, b, d)) if tolerance is not None else (None, None)
+    values = (_values(spec, a), _values(spec, b)) if tolerance is not None else (None, None)
     if values[0] is None:
         count = int((bytes_a != bytes_b).sum())
         return f"{name}: {count} of {bytes_a.numel()} bytes differ"
@@ -88,18 +84,19 @@ def random_inputs(session, pass_name: str, row_ids: list[int], gen: torch.Genera
     info = session.package.passes[pass_name]
     rows, out = len(row_ids), {}
     for spec in (s for s in info.inputs if s.role == "input"):
-        if spec.name == "tokens":
-            out["tokens"] = torch.randint(0, session.package.vocab_size, spec.resolve({"rows": rows}), generator=gen,
-                                          dtype=torch.int32)
-        elif spec.name == "row_ids":
-            out["row_ids"] = row_ids
-        elif spec.name == "positions":
-            out["positions"] = [session.seq_lens[s] for s in row_ids]
-        elif spec.name in ("lengths", "accept_len"):  # rows to make persistent: 1..width, or 0..width
-            low = 1 if spec.name == "lengths" else 0
-            out[spec.name] = torch.randint(low, info.width + 1, (rows,), generator=gen, dtype=torch.int32)
+        kind = spec.info.kind
+        if kind == "token_ids":
+            out[spec.name] = torch.randint(0, session.package.vocab_size, spec.resolve({"rows": rows}), generator=gen,
+                                           dtype=torch.int32)
+        elif kind == "slot_ids":
+            out[spec.name] = row_ids
+        elif kind == "positions":
+            out[spec.name] = [session.seq_lens[s] for s in row_ids]
+        elif KINDS[kind].count_min is not None:  # rows to make persistent: count_min..width
+            out[spec.name] = torch.randint(KINDS[kind].count_min, info.width + 1, (rows,), generator=gen,
+                                           dtype=torch.int32)
         else:
-            raise VerifyError(f"pass {pass_name}: no way to make random values for input {spec.name}")
+            raise VerifyError(f"pass {pass_name}: no way to make random values for input {spec.name} (kind {kind})")
     return out
 
 
@@ -125,15 +122,15 @@ class Pair:
         return results[0], results[1]
 
 
-def _compare_replay(pair: Pair, check: Check, trial: int, outputs: tuple, rows: int, d: Dims, tolerance) -> None:
+def _compare_replay(pair: Pair, check: Check, trial: int, outputs: tuple, rows: int, tolerance) -> None:
     a, b = pair.sessions
-    info = a.package.passes[check.pass_name]
+    info, specs = a.package.passes[check.pass_name], a.package.buffers
     where = f"{check.pass_name} rows={rows} trial {trial}"
-    found = [compare(name, outputs[0][name], outputs[1][name], d, tolerance) for name in outputs[0]]
+    found = [compare(name, outputs[0][name], outputs[1][name], None, tolerance) for name in outputs[0]]
     # Rows past `rows` (bucket padding) and the scratch slot hold padding: not part of the result.
     staging = [s.name for s in info.inputs if s.role == "staging"]
-    found += [compare(n, a.staging[n][:rows], b.staging[n][:rows], d, tolerance) for n in staging]
-    found += [compare(n, a.caches[n][: pair.slots], b.caches[n][: pair.slots], d, tolerance) for n in a.caches]
+    found += [compare(n, a.staging[n][:rows], b.staging[n][:rows], specs[n], tolerance) for n in staging]
+    found += [compare(n, a.caches[n][: pair.slots], b.caches[n][: pair.slots], specs[n], tolerance) for n in a.caches]
     check.replays += 1
     check.buffers = len(found)
     check.differences += [f"{where}: {text}" for text in found if text]
@@ -143,21 +140,33 @@ def verify_packages(a, b, seed: int = 0, trials: int = 1, tolerance: Tolerance |
     if a.abi_fingerprint != b.abi_fingerprint:
         raise VerifyError("the packages' ABIs differ (b12x abi diff shows how); only packages that bind the same "
                           "buffers can be replayed side by side")
-    d = Dims.from_recipe(parse_recipe(yaml.safe_dump(a.manifest["recipe"]), file="manifest.json#recipe"))
     slots = max(max(info.rows_buckets) for info in a.passes.values())
     widest = max(info.width for info in a.passes.values())
     pair = Pair(a, b, slots)
     gen = torch.Generator().manual_seed(seed)
-    # Prefill first, so the later passes read caches that hold something.
-    order = sorted(a.passes, key=lambda p: (PASS_ORDER.index(p) if p in PASS_ORDER else len(PASS_ORDER), p))
-    checks = {(p, r): Check(p, r) for p in order for r in a.passes[p].rows_buckets}
+    checks = {(p, r): Check(p, r) for p in pass_order(a.passes) for r in a.passes[p].rows_buckets}
     for trial in range(trials):
         for (pass_name, rows), check in checks.items():
             row_ids = torch.randperm(slots, generator=gen)[:rows].tolist()
             pair.make_room(row_ids, widest)
-            if pass_name == "commit":  # commit makes persistent what a verify of the same rows staged
-                pair.replay("verify", random_inputs(pair.sessions[0], "verify", row_ids, gen))
+            source = a.passes[pass_name].reads_staging_of  # it persists what that pass staged for these rows
+            if source is not None:
+                pair.replay(source, random_inputs(pair.sessions[0], source, row_ids, gen))
             inputs = random_inputs(pair.sessions[0], pass_name, row_ids, gen)
-            outputs = pair.replay(pass_name, inputs, poison_staging=pass_name != "commit")
-            _compare_replay(pair, check, trial, outputs, rows, d, tolerance)
+            outputs = pair.replay(pass_name, inputs, poison_staging=source is None)
+            _compare_replay(pair, check, trial, outputs, rows, tolerance)
     return list(checks.values())
+
+
+def pass_order(passes: dict) -> list[str]:
+    """Passes that write persistent caches from their own inputs (prefill) first, so the others
+    read caches that hold something; then passes whose staging another persists (verify), the
+    other staging passes (draft), and last those that persist staging (commit)."""
+    sources = {info.reads_staging_of for info in passes.values()}
+
+    def rank(name):
+        info = passes[name]
+        if info.reads_staging_of is not None:
+            return 3, name
+        return (0 if info.advances else 1 if name in sources else 2), name
+    return sorted(passes, key=rank)

@@ -1,4 +1,5 @@
-"""The buffers DeepSeek V4 / V4.1 passes bind: names, roles, dtypes and symbolic shapes.
+"""The buffers DeepSeek V4 / V4.1 passes bind: names, roles, dtypes, symbolic shapes, and
+what each one is (kind, layer or draft stage, row format, dims, ratio: contract.py).
 
 Per slot and target layer: the window ring; where the layer owns compressed caches (V4:
 every compressed layer; V4.1: Full layers only), the compressed entries (one per `ratio`
@@ -9,56 +10,107 @@ window. The drafter adds its own caches.
 
 Persistent caches are per slot ("slots" symbol, last slot is the session's scratch slot);
 staging and per-pass inputs and outputs are per pass row ("rows" symbol). Verify staging
-is read again by commit, so staging names are shared between passes.
+is read again by commit, so staging names are shared between passes. Names are labels
+for binding: what a buffer is travels as its info, which the manifest records as data.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.weights import weight_specs as weight_shapes_dtypes
 from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.package.contract import BufferInfo, PageSpec
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.formats.layout import staging_shape
+
+# The staging kind that holds, per position of a verify pass, the rows of a cache kind.
+STAGING_KIND = {
+    "window_ring": "window_staging",
+    "compressed_entries": "entry_staging",
+    "index_keys": "index_key_staging",
+    "compressor_state": "state_staging",
+    "index_compressor_state": "index_state_staging",
+}
+
+
+class Owned(NamedTuple):
+    """One cache of a target layer: `rows` rows per slot of `dims` values in `fmt`."""
+
+    name: str  # without the "cache." prefix
+    kind: str
+    rows: int
+    fmt: str
+    dims: int
+    ratio: int  # positions per row
+
+    @property
+    def row_bytes(self) -> int:
+        return get_format(self.fmt).row_bytes(self.dims)
 
 
 def state_span(kind: str, ratio: int) -> int:
     return 2 * ratio if kind == "csa" else ratio
 
 
-def owned_caches(d: Dims, i: int) -> list[tuple[str, str, int, int]]:
-    """(name, what, rows per slot, row bytes) of layer i's caches; what: window, entries, state."""
+def owned_caches(d: Dims, i: int) -> list[Owned]:
     ratio, kind = d.ratios[i], d.kind(i)
-    out = [(f"layer{i}.window", "window", d.history, d.window_row_bytes)]
+    out = [Owned(f"layer{i}.window", "window_ring", d.history, d.window_format, d.head_dim, 1)]
     if d.role(i) != "full":
         return out
     entries = d.max_seq_len // ratio
-    out.append((f"layer{i}.compressed", "entries", entries, d.compressed_row_bytes))
+    out.append(Owned(f"layer{i}.compressed", "compressed_entries", entries, d.compressed_format, d.head_dim, ratio))
     if kind != "direct":
         width = 4 * d.head_dim if kind == "csa" else 2 * d.head_dim  # [kv | gate], two series where CSA overlaps
-        out.append((f"layer{i}.state", "state", state_span(kind, ratio), get_format(STATE_FORMAT).row_bytes(width)))
+        out.append(Owned(f"layer{i}.state", "compressor_state", state_span(kind, ratio), STATE_FORMAT, width, 1))
     if kind == "csa" or not d.v4:
-        out.append((f"layer{i}.index", "entries", entries, get_format(d.index_format).row_bytes(d.index_head_dim)))
+        out.append(Owned(f"layer{i}.index", "index_keys", entries, d.index_format, d.index_head_dim, ratio))
     if kind == "csa":
-        out.append((f"layer{i}.index_state", "state", state_span(kind, ratio),
-                    get_format(STATE_FORMAT).row_bytes(4 * d.index_head_dim)))
+        out.append(Owned(f"layer{i}.index_state", "index_compressor_state", state_span(kind, ratio), STATE_FORMAT,
+                         4 * d.index_head_dim, 1))
     return out
 
 
+def cache(name: str, kind: str, rows: int, fmt: str, dims: int, *, layer=None, stage=None, ratio: int = 1) -> BufferSpec:
+    info = BufferInfo(kind, layer, stage, fmt, dims, ratio, rows)
+    return BufferSpec(name, "cache", "uint8", ("slots", rows, get_format(fmt).row_bytes(dims)), info)
+
+
+def staged_rows(name: str, kind: str, width: int, fmt: str, dims: int, *, layer=None, stage=None,
+                ratio: int = 1) -> BufferSpec:
+    """Staging of one row per position of a `width`-wide pass; `ratio` is that of the cache it feeds."""
+    info = BufferInfo(kind, layer, stage, fmt, dims, ratio)
+    return BufferSpec(name, "staging", "uint8", ("rows", width, get_format(fmt).row_bytes(dims)), info)
+
+
+def window_staging(name: str, d: Dims, width: int, *, layer=None, stage=None) -> BufferSpec:
+    """History snapshot plus `width` appended window rows, paged (runtime/formats/layout.py)."""
+    kind = "window_staging" if stage is None else "draft_window_staging"
+    info = BufferInfo(kind, layer, stage, d.window_format, d.head_dim, 1, page=PageSpec(d.layout, d.page_size))
+    shape = staging_shape("rows", d.history + width, d.window_row_bytes, d.layout, d.page_size)
+    return BufferSpec(name, "staging", "uint8", tuple(shape), info)
+
+
+SEQ_LEN = BufferSpec("cache.seq_len", "cache", "int32", ("slots",), BufferInfo("seq_len"))
+
+
 def cache_specs(d: Dims, drafter) -> list[BufferSpec]:
-    specs = [BufferSpec(f"cache.{name}", "cache", "uint8", ("slots", rows, nbytes))
-             for i in range(d.layers) for name, _, rows, nbytes in owned_caches(d, i)]
-    return specs + drafter.cache_specs() + [BufferSpec("cache.seq_len", "cache", "int32", ("slots",))]
+    specs = [cache(f"cache.{c.name}", c.kind, c.rows, c.fmt, c.dims, layer=i, ratio=c.ratio)
+             for i in range(d.layers) for c in owned_caches(d, i)]
+    return specs + drafter.cache_specs() + [SEQ_LEN]
 
 
 def verify_staging_specs(d: Dims, drafter) -> list[BufferSpec]:
     w, specs = d.verify_width, []
     for i in range(d.layers):
-        for name, what, _, nbytes in owned_caches(d, i):
-            if what == "window":
-                specs.append(window_staging(f"staging.verify.{name}", d, w))
+        for c in owned_caches(d, i):
+            if c.kind == "window_ring":
+                specs.append(window_staging(f"staging.verify.{c.name}", d, w, layer=i))
             else:
-                specs.append(BufferSpec(f"staging.verify.{name}", "staging", "uint8", ("rows", w, nbytes)))
+                specs.append(staged_rows(f"staging.verify.{c.name}", STAGING_KIND[c.kind], w, c.fmt, c.dims,
+                                         layer=i, ratio=c.ratio))
     return specs + drafter.verify_staging_specs()
 
 
@@ -66,10 +118,5 @@ def weight_specs(d: Dims) -> list[BufferSpec]:
     return [BufferSpec(name, "weight", dtype, shape) for name, (shape, dtype) in weight_shapes_dtypes(d).items()]
 
 
-def window_staging(name: str, d: Dims, width: int) -> BufferSpec:
-    shape = staging_shape("rows", d.history + width, d.window_row_bytes, d.layout, d.page_size)
-    return BufferSpec(name, "staging", "uint8", tuple(shape))
-
-
-def row_input(name: str, *shape) -> BufferSpec:
-    return BufferSpec(name, "input", "int32", ("rows", *shape))
+def row_input(name: str, kind: str, *shape) -> BufferSpec:
+    return BufferSpec(name, "input", "int32", ("rows", *shape), BufferInfo(kind))

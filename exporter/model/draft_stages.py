@@ -3,8 +3,7 @@ verify stages for each position and commit makes persistent for the accepted one
 
 from __future__ import annotations
 
-from b12x_toolchain.exporter.model.buffers import window_staging
-from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.exporter.model.buffers import cache, staged_rows, window_staging
 from b12x_toolchain.runtime.ops.opset import ops
 
 
@@ -15,18 +14,18 @@ class DraftStages:
     def cache_specs(self):
         d = self.d
         return [spec for s in range(d.draft_stages) for spec in
-                [BufferSpec(f"cache.draft{s}.window", "cache", "uint8", ("slots", d.history, d.window_row_bytes))]
+                [cache(f"cache.draft{s}.window", "draft_window", d.history, d.window_format, d.head_dim, stage=s)]
                 + self.stage_cache_specs(s)]
 
     def verify_staging_specs(self):
         d = self.d
         return [spec for s in range(d.draft_stages) for spec in
-                [BufferSpec(f"staging.verify.draft{s}.context", "staging", "uint8",
-                            ("rows", d.verify_width, d.window_row_bytes))]
+                [staged_rows(f"staging.verify.draft{s}.context", "draft_context_staging", d.verify_width,
+                             d.window_format, d.head_dim, stage=s)]
                 + self.stage_staging_specs(s)]
 
     def draft_staging_specs(self):
-        return [window_staging(f"staging.draft.draft{s}.window", self.d, self.d.draft_width)
+        return [window_staging(f"staging.draft.draft{s}.window", self.d, self.d.draft_width, stage=s)
                 for s in range(self.d.draft_stages)]
 
     def commit(self, caches, staging, row_ids, pos, accepted, end):

@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model.blocks import hc_mix, rms_norm, rope
+from b12x_toolchain.exporter.model.buffers import cache, staged_rows
 from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
-from b12x_toolchain.runtime.package.abi import BufferSpec
-from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.opset import ops
 
 
@@ -27,12 +26,11 @@ class MtpDrafter(DraftStages):
     """Adds per stage the streams of the slot's last committed position (one row per slot)."""
 
     def stage_cache_specs(self, stage):
-        return [BufferSpec(f"cache.draft{stage}.hidden", "cache", "uint8",
-                           ("slots", 1, get_format(STATE_FORMAT).row_bytes(hidden_width(self.d))))]
+        return [cache(f"cache.draft{stage}.hidden", "draft_hidden", 1, STATE_FORMAT, hidden_width(self.d), stage=stage)]
 
     def stage_staging_specs(self, stage):
-        return [BufferSpec(f"staging.verify.draft{stage}.hidden", "staging", "uint8",
-                           ("rows", self.d.verify_width, get_format(STATE_FORMAT).row_bytes(hidden_width(self.d))))]
+        return [staged_rows(f"staging.verify.draft{stage}.hidden", "draft_hidden_staging", self.d.verify_width,
+                            STATE_FORMAT, hidden_width(self.d), stage=stage)]
 
     def commit_stage(self, stage, caches, staging, row_ids, pos, accepted, end):
         ops.write_rows(caches[f"cache.draft{stage}.hidden"], staging[f"staging.verify.draft{stage}.hidden"], row_ids,

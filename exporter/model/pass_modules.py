@@ -2,7 +2,9 @@
 
 Each module's forward takes four dicts — weights, caches, staging, inputs — in the order
 its calling convention lists them, and returns a dict of outputs. The layer compute is
-layers.py; the draft stages (V4: MTP, V4.1: DSpark) are a drafter object.
+layers.py; the draft stages (V4: MTP, V4.1: DSpark) are a drafter object. What a server
+needs to drive a pass — its width, the input that advances the committed length, the pass
+whose staging it makes persistent — is declared here and recorded in the manifest.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from b12x_toolchain.runtime.ops.opset import ops
 
 class DeepSeekPass(DeepSeekCompute):
     name = ""
+    advances = None  # the row input whose counts move the committed length (None: staging only)
+    reads_staging_of = None  # the pass whose staging this one makes persistent
 
     def __init__(self, d):
         super().__init__(d)
@@ -48,7 +52,10 @@ class DeepSeekPass(DeepSeekCompute):
         return io.window(owner, kv), key_pos
 
     def base_inputs(self):
-        return [buffers.row_input("row_ids"), buffers.row_input("positions")]
+        return [buffers.row_input("row_ids", "slot_ids"), buffers.row_input("positions", "positions")]
+
+    def width(self) -> int:
+        return self.d.verify_width
 
     def caches(self):
         return buffers.cache_specs(self.d, self.drafter)
@@ -61,11 +68,15 @@ class PrefillPass(DeepSeekPass):
     """A chunk of prompt tokens for each row: writes persistent caches directly."""
 
     name = "prefill"
+    advances = "lengths"
+
+    def width(self) -> int:
+        return self.d.prefill_chunk
 
     def convention(self):
         d = self.d
-        inputs = (self.weights() + self.caches() + [buffers.row_input("tokens", d.prefill_chunk)]
-                  + self.base_inputs() + [buffers.row_input("lengths")])
+        inputs = (self.weights() + self.caches() + [buffers.row_input("tokens", "token_ids", d.prefill_chunk)]
+                  + self.base_inputs() + [buffers.row_input("lengths", "new_tokens")])
         return inputs, [_logits(d, d.prefill_chunk)]
 
     def forward(self, weights, caches, staging, inputs):
@@ -85,7 +96,7 @@ class VerifyPass(DeepSeekPass):
     def convention(self):
         d = self.d
         inputs = (self.weights() + self.caches() + buffers.verify_staging_specs(d, self.drafter)
-                  + [buffers.row_input("tokens", d.verify_width)] + self.base_inputs())
+                  + [buffers.row_input("tokens", "token_ids", d.verify_width)] + self.base_inputs())
         return inputs, [_logits(d, d.verify_width)]
 
     def forward(self, weights, caches, staging, inputs):
@@ -100,10 +111,13 @@ class VerifyPass(DeepSeekPass):
 class DraftPass(DeepSeekPass):
     name = "draft"
 
+    def width(self) -> int:
+        return self.d.draft_width
+
     def convention(self):
         d = self.d
         inputs = (self.weights() + self.drafter.cache_specs() + self.drafter.draft_staging_specs()
-                  + [buffers.row_input("tokens", d.draft_width)] + self.base_inputs())
+                  + [buffers.row_input("tokens", "token_ids", d.draft_width)] + self.base_inputs())
         return inputs, [_logits(d, d.draft_width)] + self.drafter.outputs()
 
     def forward(self, weights, caches, staging, inputs):
@@ -114,10 +128,12 @@ class CommitPass(DeepSeekPass):
     """Make the first accept_len verify rows of each row persistent, byte for byte."""
 
     name = "commit"
+    advances = "accept_len"
+    reads_staging_of = "verify"
 
     def convention(self):
         inputs = (self.caches() + buffers.verify_staging_specs(self.d, self.drafter)
-                  + self.base_inputs() + [buffers.row_input("accept_len")])
+                  + self.base_inputs() + [buffers.row_input("accept_len", "accepted_tokens")])
         return inputs, [BufferSpec("next_positions", "output", "int32", ("rows",))]
 
     def forward(self, weights, caches, staging, inputs):
@@ -128,14 +144,14 @@ class CommitPass(DeepSeekPass):
         accepted = torch.arange(width, device=pos.device)[None, :] < accept_len.long()[:, None]
         end = (positions.long() + accept_len.long())[:, None]
         for i, ratio in enumerate(d.ratios):
-            for name, what, rows, _ in buffers.owned_caches(d, i):
-                cache, stage = caches[f"cache.{name}"], staging[f"staging.verify.{name}"]
-                if what == "window":
+            for c in buffers.owned_caches(d, i):
+                cache, stage = caches[f"cache.{c.name}"], staging[f"staging.verify.{c.name}"]
+                if c.kind == "window_ring":
                     ops.window_commit(cache, stage, row_ids, positions, accept_len, d.history, width)
-                elif what == "entries":  # an entry becomes persistent once its group closes
+                elif c.kind in ("compressed_entries", "index_keys"):  # persistent once its group closes
                     ops.write_rows(cache, stage, row_ids, pos // ratio, accepted & ((pos + 1) % ratio == 0), "bytes")
                 else:  # state: the last span - 1 committed rows are all a later group can read
-                    ops.write_rows(cache, stage, row_ids, pos % rows, accepted & (pos > end - rows), "bytes")
+                    ops.write_rows(cache, stage, row_ids, pos % c.rows, accepted & (pos > end - c.rows), "bytes")
         self.drafter.commit(caches, staging, row_ids, pos, accepted, end)
         next_positions = (positions + accept_len).to(torch.int32)
         ops.set_seq_len(caches["cache.seq_len"], row_ids, next_positions)

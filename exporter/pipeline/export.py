@@ -17,7 +17,8 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.structural import external_weights
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.passes.manager import PassRecord
-from b12x_toolchain.runtime.package.abi import fingerprint
+from b12x_toolchain.runtime.package.abi import contract, fingerprint
+from b12x_toolchain.runtime.package.contract import described
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.package.reader import FORMAT_VERSION
 from b12x_toolchain.runtime.prefix.snapshot import capabilities as snapshot_capabilities
@@ -63,6 +64,33 @@ def check_matches(recipe, pass_name: str, records: list[PassRecord]) -> None:
             )
 
 
+def pass_entry(module, rows_buckets, inputs: list, outputs: list) -> dict:
+    """A pass's manifest entry: its calling convention and what a server drives it by."""
+    return {
+        "graph": f"graphs/{module.name}.pt2",
+        "rows_buckets": list(rows_buckets),
+        "width": module.width(),
+        "advances": module.advances,
+        "reads_staging_of": module.reads_staging_of,
+        "row_inputs": {s.name: s.info.kind for s in inputs if s.role == "input"},
+        "inputs": [s.to_json() for s in inputs],
+        "outputs": [s.to_json() for s in outputs],
+    }
+
+
+def buffer_table(conventions: list[list]) -> dict[str, dict]:
+    """What every cache and staging buffer of the passes' inputs is, by name; passes sharing a
+    buffer must agree on it."""
+    table = {}
+    for inputs in conventions:
+        for spec in inputs:
+            if described(spec.role):
+                entry = spec.info.to_json()
+                if table.setdefault(spec.name, entry) != entry:
+                    raise ExportError(f"buffer {spec.name}: passes describe it differently ({table[spec.name]} and {entry})")
+    return {name: table[name] for name in sorted(table)}
+
+
 def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | None = None,
                    on_pass: Callable[[str, list[PassRecord]], None] | None = None, *,
                    structural: bool = False, checksums: dict[str, str] | None = None,
@@ -97,21 +125,15 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
 
     work = [PassJob(recipe, name, pipeline, None if structural else weights, dump_dir) for name in PASSES]
     outputs = run_jobs(work, jobs, on_start=on_capture, on_done=done)
-    files, conventions, results, passes, all_records = {}, {}, {}, {}, {}
+    files, results, passes, all_records = {}, {}, {}, {}
     for name in PASSES:  # in pass order, whatever order the jobs finished in
         output = outputs[name]
         files[f"graphs/{name}.pt2"] = output.graph
-        conventions[name] = {"inputs": [s.to_json() for s in output.inputs],
-                             "outputs": [s.to_json() for s in output.outputs]}
         results[name] = {r.name: r.to_json() for r in output.records}
-        config = getattr(recipe.passes, name)
-        passes[name] = {
-            "graph": f"graphs/{name}.pt2",
-            "rows_buckets": list(config.rows_buckets),
-            "width": {"prefill": d.prefill_chunk, "draft": d.draft_width}.get(name, d.verify_width),
-            **conventions[name],
-        }
+        passes[name] = pass_entry(PASSES[name](d), getattr(recipe.passes, name).rows_buckets,
+                                  output.inputs, output.outputs)
         all_records[name] = output.records
+    buffers = buffer_table([outputs[name].inputs for name in PASSES])
     if structural:
         weights_entry = external_weights(d, checksums)
     else:
@@ -130,10 +152,11 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
             "noise_token_id": d.noise_token_id,
             "confidence_threshold": d.confidence_threshold,
             # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.
-            "capabilities": snapshot_capabilities(PASSES["prefill"](d).caches(), d.ratios, d.max_seq_len),
+            "capabilities": snapshot_capabilities(PASSES["prefill"](d).caches(), d.max_seq_len),
         },
         "passes": passes,
-        "abi_fingerprint": fingerprint(conventions),
+        "buffers": buffers,
+        "abi_fingerprint": fingerprint(contract(passes, buffers)),
         "rewrites": {"pipeline": pipeline, "results": results},
         "weights": weights_entry,
         "versions": tool_versions(),

@@ -1,17 +1,25 @@
 """The calling convention of a pass: named buffers with role, dtype and symbolic shape.
 
 Symbols: "slots" is the session's slot count (+1 scratch slot), "rows" the rows bucket.
-The ABI fingerprint hashes the calling conventions of all passes, so it moves exactly
-when what a server binds moves, and never with the rewrite pipeline.
+A spec may carry its `info` (contract.py: what the buffer is — kind, layer, format...),
+which the manifest records apart from the calling convention (the `buffers` table and
+each pass's `row_inputs`), so the convention's JSON keeps exactly its four keys.
+
+The ABI fingerprint hashes the calling conventions of all passes together with that
+data and each pass's width, advancing input and staging source: everything a server
+binds and drives a pass by. It moves exactly when those move, never with the rewrite
+pipeline.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
+
+from b12x_toolchain.runtime.package.contract import BufferInfo
 
 ROLES = ("weight", "cache", "staging", "input", "output")
 SYMBOLS = ("slots", "rows")
@@ -32,6 +40,7 @@ class BufferSpec:
     role: str
     dtype: str
     shape: tuple  # ints and symbols
+    info: BufferInfo | None = None  # what it is; None for weights and outputs
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -41,6 +50,8 @@ class BufferSpec:
         for dim in self.shape:
             if not (isinstance(dim, int) and dim >= 0) and dim not in SYMBOLS:
                 raise ValueError(f"buffer {self.name}: shape entry {dim!r} is neither a size nor one of {SYMBOLS}")
+        if self.info is not None:
+            self.info.check(self)
 
     def resolve(self, symbols: dict) -> tuple[int, ...]:
         return tuple(symbols[d] if isinstance(d, str) else d for d in self.shape)
@@ -50,16 +61,30 @@ class BufferSpec:
         return DTYPES[self.dtype]
 
     def to_json(self) -> dict:
-        return {**asdict(self), "shape": list(self.shape)}
+        """The calling-convention entry: the info is recorded apart (see above)."""
+        return {"name": self.name, "role": self.role, "dtype": self.dtype, "shape": list(self.shape)}
 
     @classmethod
-    def from_json(cls, data: dict) -> "BufferSpec":
-        if set(data) != {"name", "role", "dtype", "shape"}:
-            raise ValueError(f"buffer entry has keys {sorted(data)}; expected name, role, dtype, shape")
-        return cls(data["name"], data["role"], data["dtype"], tuple(data["shape"]))
+    def from_json(cls, data: dict, info: BufferInfo | None = None) -> "BufferSpec":
+        if not isinstance(data, dict) or set(data) != {"name", "role", "dtype", "shape"}:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"buffer entry has keys {keys}; expected name, role, dtype, shape")
+        if not isinstance(data["shape"], list):
+            raise ValueError(f"buffer {data['name']}: shape {data['shape']!r} is not a list")
+        return cls(data["name"], data["role"], data["dtype"], tuple(data["shape"]), info)
 
 
-def fingerprint(conventions: dict[str, dict]) -> str:
-    """sha256 over every pass's inputs and outputs, in a canonical JSON form."""
-    canonical = json.dumps(conventions, sort_keys=True, separators=(",", ":"))
+# What of a pass entry the fingerprint covers: not its graph file or rows buckets.
+PASS_CONTRACT = ("inputs", "outputs", "width", "advances", "reads_staging_of", "row_inputs")
+
+
+def contract(passes: dict, buffers) -> dict:
+    """The fingerprinted part of a manifest, from its `passes` and `buffers` entries."""
+    return {"buffers": buffers,
+            "passes": {n: {k: e.get(k) for k in PASS_CONTRACT} if isinstance(e, dict) else e for n, e in passes.items()}}
+
+
+def fingerprint(contract: dict) -> str:
+    """sha256 over `contract(...)`, in a canonical JSON form."""
+    canonical = json.dumps(contract, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

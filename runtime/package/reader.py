@@ -11,6 +11,7 @@ without following links. The root itself may be a symbolic link (deployments swi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -22,17 +23,21 @@ from pathlib import Path
 import torch
 
 from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (graphs need the op set registered)
-from b12x_toolchain.runtime.package.abi import BufferSpec, fingerprint
+from b12x_toolchain.runtime.package.abi import BufferSpec, contract, fingerprint
+from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buffer_table, check_row_inputs, described,
+                                                     pass_fields, row_input_info)
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.strict_json import load_document
 
-# major.minor: a newer major is refused, an older minor accepted. 1.1 added external
-# weights (structural packages: weights.external, weights.tensors).
-FORMAT_VERSION = "1.1"
+# major.minor: another major is refused, an older minor accepted. 1.1 added external
+# weights (structural packages: weights.external, weights.tensors). 2.0 records what
+# every buffer is and what every pass does as data (contract.py) and calls op set 2.
+FORMAT_VERSION = "2.0"
 MANIFEST_LIMIT = 16 << 20
+REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
 
 def _major_minor(text) -> tuple[int, int]:
@@ -47,10 +52,19 @@ def _major_minor(text) -> tuple[int, int]:
 class PassInfo:
     name: str
     program: torch.export.ExportedProgram
-    inputs: list[BufferSpec]
+    inputs: list[BufferSpec]  # cache, staging and row inputs carry their info (kind...)
     outputs: list[BufferSpec]
     rows_buckets: list[int]
     width: int
+    advances: str | None = None  # the input whose counts move the committed length; None: staging only
+    reads_staging_of: str | None = None  # the pass whose staging this one makes persistent
+
+    def input_of(self, kind: str) -> str | None:
+        """The name of this pass's row input of `kind` (the first, if several), or None."""
+        return next((s.name for s in self.inputs if s.role == "input" and s.info.kind == kind), None)
+
+    def inputs_of(self, kind: str) -> list[str]:
+        return [s.name for s in self.inputs if s.role == "input" and s.info.kind == kind]
 
 
 class Package:
@@ -64,6 +78,14 @@ class Package:
     @property
     def vocab_size(self) -> int:
         return self.manifest["model"]["vocab_size"]
+
+    @property
+    def buffers(self) -> dict[str, BufferSpec]:
+        """Every cache and staging buffer any pass binds, by name, with its info."""
+        return {s.name: s for info in self.passes.values() for s in info.inputs if described(s.role)}
+
+    def buffers_of(self, kind: str) -> list[str]:
+        return [name for name, spec in self.buffers.items() if spec.info.kind == kind]
 
     @property
     def external_weights(self) -> bool:
@@ -126,25 +148,36 @@ def _check_digest(manifest: dict) -> None:
         raise PackageError("manifest.json: manifest_sha256 does not match its contents (corrupted or edited)")
 
 
+def _recipe_hint(manifest: dict) -> str:
+    name = manifest.get("name")
+    return REEXPORT.replace("RECIPE", name) if isinstance(name, str) and name.isprintable() and name else REEXPORT
+
+
 def _check_versions(manifest: dict) -> None:
     major, minor = _major_minor(manifest.get("format_version"))
     ours = _major_minor(FORMAT_VERSION)
+    if major < ours[0]:
+        raise PackageError(f"manifest.json: format_version {major}.{minor} is older than this runtime reads "
+                           f"({ours[0]}.0 to {ours[0]}.{ours[1]}); {_recipe_hint(manifest)}")
     if major != ours[0] or minor > ours[1]:
         raise PackageError(
             f"manifest.json: format_version {major}.{minor} is not supported by this runtime "
-            f"(reads {ours[0]}.0 to {ours[0]}.{ours[1]})"
+            f"(reads {ours[0]}.0 to {ours[0]}.{ours[1]}); it needs a newer b12x"
         )
-    if manifest.get("opset_version") != OPSET_VERSION:
-        raise PackageError(
-            f"manifest.json: opset_version {manifest.get('opset_version')!r} is unknown; this runtime has op set {OPSET_VERSION}"
-        )
+    found = manifest.get("opset_version")
+    if found != OPSET_VERSION:
+        older = isinstance(found, int) and not isinstance(found, bool) and 1 <= found < OPSET_VERSION
+        advice = _recipe_hint(manifest) if older else "it is not an op set this runtime knows"
+        raise PackageError(f"manifest.json: opset_version {found!r} is unknown; this runtime has op set "
+                           f"{OPSET_VERSION}: {advice}")
 
 
 def read_manifest(path) -> dict:
     """The checked manifest of a package directory, or of its manifest.json on its own.
 
-    Versions and the ABI fingerprint are checked; files are not read, so this is what tools
-    that compare calling conventions use (a committed manifest stands for its package).
+    Versions, the buffer and pass data and the ABI fingerprint are checked; files are not
+    read, so this is what tools that compare calling conventions use (a committed manifest
+    stands for its package).
     """
     path = Path(path)
     if path.is_file():  # a manifest named on its own may be a link, like a package root
@@ -155,6 +188,7 @@ def read_manifest(path) -> dict:
         raise PackageError(f"{path}: neither a package directory nor a manifest.json")
     _check_versions(manifest)
     _check_fingerprint(manifest)
+    _conventions(manifest)
     return manifest
 
 
@@ -162,8 +196,7 @@ def _check_fingerprint(manifest: dict) -> dict:
     passes_json = manifest.get("passes")
     if not isinstance(passes_json, dict) or not passes_json:
         raise PackageError("manifest.json: 'passes' is missing or empty")
-    conventions = {n: {"inputs": e.get("inputs"), "outputs": e.get("outputs")} for n, e in passes_json.items()}
-    if fingerprint(conventions) != manifest.get("abi_fingerprint"):
+    if fingerprint(contract(passes_json, manifest.get("buffers"))) != manifest.get("abi_fingerprint"):
         raise PackageError("manifest.json: abi_fingerprint does not match the calling conventions")
     return passes_json
 
@@ -236,24 +269,63 @@ class _Convention:
     graph: str
     inputs: list[BufferSpec]
     outputs: list[BufferSpec]
+    fields: PassFields
 
 
-def _convention(name: str, entry: dict, contents: dict[str, bytes]) -> _Convention:
-    graph = entry.get("graph")
-    if graph not in contents:
-        raise PackageError(f"manifest.json: passes.{name}.graph {graph!r} is not a listed file")
+def _specs(name: str, entry: dict, fields: PassFields, buffers: dict[str, BufferInfo]):
+    """The calling convention with every cache, staging and row input's info attached."""
     try:
         inputs = [BufferSpec.from_json(s) for s in entry["inputs"]]
         outputs = [BufferSpec.from_json(s) for s in entry["outputs"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise PackageError(f"manifest.json: passes.{name}: bad calling convention ({exc})") from None
-    return _Convention(name, graph, inputs, outputs)
+    return [_with_info(name, spec, fields, buffers) for spec in inputs], outputs
 
 
-def _pass_info(convention: _Convention, entry: dict, contents: dict[str, bytes]) -> PassInfo:
+def _with_info(pass_name: str, spec: BufferSpec, fields: PassFields, buffers: dict[str, BufferInfo]) -> BufferSpec:
+    if described(spec.role):
+        info = buffers[spec.name]  # buffer_table: every described name has an entry
+    elif spec.role == "input":
+        if spec.name not in fields.row_inputs:
+            raise PackageError(f"manifest.json: passes.{pass_name}.row_inputs: input {spec.name} has no kind")
+        info = row_input_info(pass_name, spec.name, fields.row_inputs[spec.name])
+    else:
+        return spec
+    try:
+        info.check(spec)
+    except ValueError as exc:
+        raise PackageError(f"manifest.json: {exc}") from None
+    return dataclasses.replace(spec, info=info)
+
+
+def _described_names(passes_json: dict) -> set[str]:
+    return {s.get("name") for e in passes_json.values() for s in (e.get("inputs") or [])
+            if isinstance(s, dict) and described(s.get("role"))}
+
+
+def _conventions(manifest: dict) -> dict[str, _Convention]:
+    """Every pass's convention and data, checked strictly (contract.py) before any file is used."""
+    passes_json = manifest["passes"]
+    fields = {name: pass_fields(name, entry, set(passes_json)) for name, entry in passes_json.items()}
+    buffers = buffer_table(manifest.get("buffers"), _described_names(passes_json))
+    out = {}
+    for name, entry in passes_json.items():
+        inputs, outputs = _specs(name, entry, fields[name], buffers)
+        check_row_inputs(name, fields[name], inputs)
+        out[name] = _Convention(name, entry["graph"], inputs, outputs, fields[name])
+    return out
+
+
+def _check_graph_file(convention: _Convention, contents: dict[str, bytes]) -> None:
+    if convention.graph not in contents:
+        raise PackageError(f"manifest.json: passes.{convention.name}.graph {convention.graph!r} is not a listed file")
+
+
+def _pass_info(convention: _Convention, contents: dict[str, bytes]) -> PassInfo:
     program = load_graph(convention.graph, contents[convention.graph])
-    return PassInfo(convention.name, program, convention.inputs, convention.outputs, list(entry["rows_buckets"]),
-                    int(entry["width"]))
+    f = convention.fields
+    return PassInfo(convention.name, program, convention.inputs, convention.outputs, list(f.rows_buckets), f.width,
+                    f.advances, f.reads_staging_of)
 
 
 def load(path, weights=None) -> Package:
@@ -270,9 +342,11 @@ def load(path, weights=None) -> Package:
     _check_versions(manifest)
     _check_digest(manifest)
     contents = _check_files(root, manifest)
-    passes_json = _check_fingerprint(manifest)
-    conventions = {name: _convention(name, entry, contents) for name, entry in passes_json.items()}
+    _check_fingerprint(manifest)
+    conventions = _conventions(manifest)
+    for convention in conventions.values():
+        _check_graph_file(convention, contents)
     # Weights first: a bad checkpoint or weights file is refused before any graph is deserialised.
     bound = bind_weights(manifest, contents, conventions, weights)
-    passes = {name: _pass_info(conventions[name], entry, contents) for name, entry in passes_json.items()}
+    passes = {name: _pass_info(convention, contents) for name, convention in conventions.items()}
     return Package(given, manifest, passes, bound)

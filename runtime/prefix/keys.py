@@ -58,7 +58,8 @@ def package_identity(package) -> Identity:
     for info in package.passes.values():
         for spec in info.inputs:
             if spec.role == "cache":
-                caches[spec.name] = [spec.dtype, list(spec.shape[1:])]  # per slot, without "slots"
+                # Per slot (without "slots"), and what the rows are: kind, format, dims, ratio.
+                caches[spec.name] = [spec.dtype, list(spec.shape[1:]), spec.info.to_json() if spec.info else None]
     return Identity.of({
         "schema": SNAPSHOT_SCHEMA,
         "format_version": m.get("format_version"),

@@ -2,8 +2,9 @@
 
 Every cache of a slot is one of two kinds, both addressed by absolute position:
 
-* ring — the window ring of every target layer and draft stage (row = pos % capacity)
-  and the ratio-2 compressor state ring (row = pos % ratio). After `length` tokens the
+* ring — the window ring of every target layer and draft stage (row = pos % capacity),
+  the compressor state rings (row = pos % span) and a draft stage's last streams (one
+  row). After `length` tokens the
   rows holding positions max(0, length - capacity) .. length - 1 are live; they are
   stored in physical order with the ring index (length % capacity) and the absolute
   offset (length), which is all it takes to put them back where the ring expects them.
@@ -16,6 +17,10 @@ snapshot never decodes, so hydration cannot round differently from the original.
 committed length is the snapshot's length; the logits after the last token ride along,
 so a request whose prompt is exactly the snapshot gets its first token without a replay.
 
+What a cache is comes from the manifest's buffer data (kind, ratio, rows per slot;
+runtime/package/contract.py), never from its name: a ring kind is stored as a ring, an
+entry kind as an append cache, the seq_len kind is the committed length.
+
 A snapshot carries the identity of the package it came from (prefix_keys.py); hydration
 refuses any other package, and refuses a snapshot whose per-cache metadata does not say
 exactly what this package's layout expects for its length. A package with a cache the
@@ -24,17 +29,16 @@ codec does not know cannot be snapshotted at all (LayoutError), rather than half
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
+from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.prefix.keys import Identity, package_identity, token_bytes, token_hash, token_ids
 from b12x_toolchain.runtime.errors import SnapshotError, LayoutError  # noqa: F401  (re-exported)
 
-_LAYER = re.compile(r"^cache\.layer(\d+)\.(window|compressed|state|index|index_state)$")
-_DRAFT = re.compile(r"^cache\.draft(\d+)\.(window|hidden)$")
-SEQ_LEN = "cache.seq_len"
+# Attention window rings: the rotating caches of the capability flags.
+WINDOW_KINDS = ("window_ring", "draft_window")
 
 
 class SnapshotMismatch(SnapshotError):
@@ -63,41 +67,36 @@ class CacheKind:
         return out
 
 
-def cache_layout(specs, ratios, max_seq_len: int) -> dict[str, CacheKind]:
-    """Classify every cache buffer (BufferSpecs with role "cache"); unknown ones raise LayoutError."""
-    layout = {}
-    for spec in specs:
-        if spec.name == SEQ_LEN:
-            if spec.dtype != "int32" or tuple(spec.shape) != ("slots",):
-                raise LayoutError(f"{spec.name}: expected int32 [slots], got {spec.dtype} {list(spec.shape)}")
-            continue
-        if spec.dtype != "uint8" or len(spec.shape) != 3 or spec.shape[0] != "slots":
-            raise LayoutError(f"{spec.name}: expected uint8 [slots, rows, bytes], got {spec.dtype} {list(spec.shape)}")
-        capacity, row_bytes = spec.shape[1], spec.shape[2]
-        layer, draft = _LAYER.match(spec.name), _DRAFT.match(spec.name)
-        if (draft and draft.group(2) == "window") or (layer and layer.group(2) == "window"):
-            kind = CacheKind(spec.name, "ring", capacity, row_bytes, window=True)
-        elif draft:  # the MTP stage's input: the streams of the last committed position
-            if capacity != 1:
-                raise LayoutError(f"{spec.name}: expected one row per slot, got {capacity}")
-            kind = CacheKind(spec.name, "ring", capacity, row_bytes)
-        elif layer:
-            index = int(layer.group(1))
-            ratio = ratios[index] if index < len(ratios) else 0
-            if layer.group(2).endswith("state"):
-                # One group of raw rows, or two where the compressor overlaps groups (CSA).
-                if ratio < 2 or capacity not in (ratio, 2 * ratio):
-                    raise LayoutError(f"{spec.name}: a state ring of {capacity} rows does not fit compress ratio {ratio}")
-                kind = CacheKind(spec.name, "ring", capacity, row_bytes)
-            else:
-                if ratio < 1 or capacity != max_seq_len // ratio:
-                    raise LayoutError(f"{spec.name}: {capacity} compressed rows do not fit ratio {ratio} "
-                                      f"and max_seq_len {max_seq_len}")
-                kind = CacheKind(spec.name, "append", capacity, row_bytes, ratio=ratio)
-        else:
-            raise LayoutError(f"{spec.name}: the snapshot codec does not know this cache")
-        layout[spec.name] = kind
-    return layout
+def _classify(spec, max_seq_len: int) -> CacheKind:
+    """How the codec stores one cache, from its recorded kind, ratio and rows — never its name."""
+    info = spec.info
+    kind = KINDS.get(info.kind) if info is not None else None
+    if kind is None or kind.role != "cache" or kind.rows not in ("ring", "append"):
+        raise LayoutError(f"{spec.name}: the snapshot codec does not know cache kind {getattr(info, 'kind', None)!r}")
+    if spec.dtype != "uint8" or len(spec.shape) != 3 or spec.shape[0] != "slots":
+        raise LayoutError(f"{spec.name}: expected uint8 [slots, rows, bytes], got {spec.dtype} {list(spec.shape)}")
+    capacity, row_bytes = spec.shape[1], spec.shape[2]
+    if kind.rows == "ring":
+        return CacheKind(spec.name, "ring", capacity, row_bytes, window=info.kind in WINDOW_KINDS)
+    if capacity != max_seq_len // info.ratio:
+        raise LayoutError(f"{spec.name}: {capacity} rows of one per {info.ratio} positions do not cover "
+                          f"max_seq_len {max_seq_len}")
+    return CacheKind(spec.name, "append", capacity, row_bytes, ratio=info.ratio)
+
+
+def seq_len_buffer(specs) -> str:
+    """The name of the one cache that holds each slot's committed length."""
+    names = [s.name for s in specs if s.info is not None and s.info.kind == "seq_len"]
+    if len(names) != 1:
+        raise LayoutError(f"expected one seq_len cache, found {names}")
+    return names[0]
+
+
+def cache_layout(specs, max_seq_len: int) -> dict[str, CacheKind]:
+    """Classify every cache buffer (BufferSpecs with role "cache" and their info) but the
+    committed length; one the codec does not know raises LayoutError."""
+    seq_len = seq_len_buffer(specs)
+    return {spec.name: _classify(spec, max_seq_len) for spec in specs if spec.name != seq_len}
 
 
 def cache_specs(package) -> list:
@@ -110,15 +109,13 @@ def cache_specs(package) -> list:
 
 
 def package_layout(package) -> dict[str, CacheKind]:
-    model = (package.manifest.get("recipe") or {}).get("model") or {}
-    ratios = list(model.get("compress_ratios") or [])[: model.get("num_layers", 0)]
-    return cache_layout(cache_specs(package), ratios, package.manifest["model"]["max_seq_len"])
+    return cache_layout(cache_specs(package), package.manifest["model"]["max_seq_len"])
 
 
-def capabilities(specs, ratios, max_seq_len: int) -> dict[str, bool]:
+def capabilities(specs, max_seq_len: int) -> dict[str, bool]:
     """The manifest's snapshot flags: on exactly when the codec covers every cache."""
     try:
-        cache_layout(specs, ratios, max_seq_len)
+        cache_layout(specs, max_seq_len)
         ok = True
     except LayoutError:
         ok = False
@@ -155,6 +152,7 @@ class SnapshotCodec:
         self.package = package
         self.identity = package_identity(package)
         self.layout = package_layout(package)
+        self.seq_len = seq_len_buffer(cache_specs(package))
         self.max_seq_len = package.manifest["model"]["max_seq_len"]
         windows = [k.capacity for k in self.layout.values() if k.window]
         self.window_capacity = min(windows) if windows else None
@@ -174,10 +172,10 @@ class SnapshotCodec:
         self._check_session(session, slot)
         data = token_bytes(tokens)
         length = len(data) // 4
-        stored = int(session.caches[SEQ_LEN][slot])
+        stored = int(session.caches[self.seq_len][slot])
         if not 1 <= length == session.seq_lens[slot] == stored:
             raise SnapshotError(f"slot {slot} holds {session.seq_lens[slot]} committed tokens "
-                                f"(cache.seq_len {stored}); {length} tokens were given")
+                                f"({self.seq_len} {stored}); {length} tokens were given")
         caches = {}
         for name, kind in self.layout.items():
             rows = session.caches[name][slot, : kind.rows(length)]
@@ -214,5 +212,5 @@ class SnapshotCodec:
         session.reset_slot(slot)
         for name, kind in self.layout.items():
             session.caches[name][slot, : kind.rows(snap.length)].copy_(snap.caches[name])
-        session.caches[SEQ_LEN][slot] = snap.length
+        session.caches[self.seq_len][slot] = snap.length
         session.seq_lens[slot] = snap.length

@@ -42,7 +42,7 @@ class GraphRunner:
         self.device = torch.device(device)
         self.capture = self.device.type == "cuda"
         if self.capture and not ops.CUDA_KERNELS:
-            raise RuntimeError("a CUDA session needs the Triton kernels of op set v1: install triton "
+            raise RuntimeError("a CUDA session needs the Triton kernels of op set v2: install triton "
                                "(pip install 'b12x[cuda]')")
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.scratch_slot = scratch_slot
@@ -66,8 +66,9 @@ class GraphRunner:
     def _capture(self, bucket) -> torch.cuda.CUDAGraph:
         # Warm-up really runs the pass: point every row at the scratch slot so that no
         # request's cache changes (staging, inputs and outputs are reusable anyway).
-        if "row_ids" in bucket.inputs:
-            bucket.inputs["row_ids"].fill_(self.scratch_slot)
+        slots = getattr(bucket, "slot_input", None)  # the input of kind slot_ids (session.Bucket)
+        if slots in bucket.inputs:
+            bucket.inputs[slots].fill_(self.scratch_slot)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -31,9 +31,11 @@ class Bucket:
     pytree or shape-guard work (the session validated the values already).
     """
 
-    def __init__(self, rows: int, inputs: dict, outputs: dict, staging: dict, graph, args: list, out_spec):
+    def __init__(self, rows: int, inputs: dict, outputs: dict, staging: dict, graph, args: list, out_spec,
+                 slot_input: str | None = None):
         self.rows, self.inputs, self.outputs, self.staging = rows, inputs, outputs, staging
         self.graph, self.args, self.out_spec = graph, args, out_spec
+        self.slot_input = slot_input  # the static input of kind slot_ids: padding rows get the scratch slot
 
     def run(self) -> dict:
         return pytree.tree_unflatten(list(self.graph(*self.args)), self.out_spec)
@@ -47,10 +49,15 @@ class Session:
         self.slots, self.scratch_slot = slots, slots  # one extra slot absorbs padding rows
         all_buckets = sorted({b for p in package.passes.values() for b in p.rows_buckets})
         self.max_rows = max_rows or all_buckets[-1]
-        self.seq_lens = [0] * (slots + 1)  # host mirror of cache.seq_len: validation needs no sync
+        self.seq_lens = [0] * (slots + 1)  # host mirror of the seq_len cache: validation needs no sync
         self.weights = {k: v.to(self.device) for k, v in package.weights.items()}
         self.caches, self.staging = {}, {}
         self._bind(buffers or {})
+        # The cache that holds committed lengths, by its recorded kind (contract.py).
+        lengths = [n for n, s in self._shared_specs().items() if s.info is not None and s.info.kind == "seq_len"]
+        if len(lengths) != 1:
+            raise BufferError(f"expected one seq_len cache, the package has {lengths}")
+        self.seq_len_buffer = lengths[0]
         self.graphs = GraphRunner(self.device, (self.caches, self.staging), self.scratch_slot)
         self.buckets = {name: self._prepare(info) for name, info in package.passes.items()}
 
@@ -94,7 +101,8 @@ class Session:
             args, spec = pytree.tree_flatten(((self.weights_for(info), caches, staging, inputs), {}))
             if spec != info.program.call_spec.in_spec:
                 raise BufferError(f"pass {info.name}: bound buffers do not match the graph's inputs")
-            buckets[rows] = Bucket(rows, inputs, outputs, staging, graph, args, info.program.call_spec.out_spec)
+            buckets[rows] = Bucket(rows, inputs, outputs, staging, graph, args, info.program.call_spec.out_spec,
+                                   info.input_of("slot_ids"))
             self.graphs.add(info.name, buckets[rows])
         if not buckets:
             raise BufferError(f"pass {info.name}: no rows bucket fits max_rows={self.max_rows}; buckets {info.rows_buckets}")
@@ -111,23 +119,25 @@ class Session:
             raise ValueError(f"unknown pass {pass_name!r}; this package has {sorted(self.buckets)}")
         info = self.package.passes[pass_name]
         tensors = validate_inputs(self, info, values)
-        n = tensors["row_ids"].shape[0]
+        n = tensors[info.input_of("slot_ids")].shape[0]
         bucket = self.bucket_for(pass_name, n)
         for name, static in bucket.inputs.items():
             static[:n].copy_(tensors[name])
-            static[n:] = self.scratch_slot if name == "row_ids" else 0
+            static[n:] = self.scratch_slot if name == bucket.slot_input else 0
         self.graphs.replay(pass_name, bucket)  # CUDA: one graph replay; CPU: the graph, run directly
-        self._advance(pass_name, tensors)
+        self._advance(info, tensors)
         return {name: out[:n] for name, out in bucket.outputs.items()}
 
     def weights_for(self, info) -> dict:
         return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}
 
-    def _advance(self, pass_name: str, tensors: dict) -> None:
-        step = {"prefill": "lengths", "commit": "accept_len"}.get(pass_name)
-        if step is None:
+    def _advance(self, info, tensors: dict) -> None:
+        """Mirror what the graph wrote to the seq_len cache: the pass's `advances` input says
+        how many rows became persistent (the manifest records it; no pass name decides it)."""
+        if info.advances is None:
             return
-        for slot, pos, count in zip(tensors["row_ids"].tolist(), tensors["positions"].tolist(), tensors[step].tolist()):
+        slots, positions = tensors[info.input_of("slot_ids")], tensors[info.input_of("positions")]
+        for slot, pos, count in zip(slots.tolist(), positions.tolist(), tensors[info.advances].tolist()):
             self.seq_lens[slot] = pos + count
 
     def reset_slot(self, slot: int) -> None:
@@ -135,7 +145,7 @@ class Session:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is out of range [0, {self.slots})")
         self.seq_lens[slot] = 0
-        self.caches["cache.seq_len"][slot] = 0
+        self.caches[self.seq_len_buffer][slot] = 0
 
     def reusable_storage(self) -> list[torch.Tensor]:
         """Every buffer a replay may overwrite without notice: staging, static inputs, outputs."""

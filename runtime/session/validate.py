@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.errors import BufferError, InputError  # noqa: F401  (re-exported)
 
 
@@ -48,35 +49,39 @@ def _in_range(name: str, values: torch.Tensor, low: int, high: int, what: str) -
 
 
 def validate_inputs(session, info, values: dict) -> dict[str, torch.Tensor]:
+    """Check a replay's values against the pass; inputs are found by their recorded kind
+    (slot ids, positions, token ids, the count that `advances` names), not by name."""
     specs = {s.name: s for s in info.inputs if s.role == "input"}
     unknown, missing = set(values) - set(specs), set(specs) - set(values)
     if unknown or missing:
         raise InputError(f"pass {info.name}: inputs {sorted(specs)} expected; "
                          f"missing {sorted(missing)}, unknown {sorted(unknown)}")
     tensors = {name: _as_tensor(name, values[name], specs[name], session.device) for name in specs}
-    n = tensors["row_ids"].shape[0] if tensors["row_ids"].dim() == 1 else -1
+    slots, positions = info.input_of("slot_ids"), info.input_of("positions")
+    n = tensors[slots].shape[0] if tensors[slots].dim() == 1 else -1
     largest = max(session.buckets[info.name])
     if not 1 <= n <= largest:
-        raise InputError(f"row_ids: {n} rows given; expected a 1-D list of 1 to {largest} rows")
+        raise InputError(f"{slots}: {n} rows given; expected a 1-D list of 1 to {largest} rows")
     for name, tensor in tensors.items():
         expected = specs[name].resolve({"rows": n})
         if tuple(tensor.shape) != expected:
             raise InputError(f"{name}: shape {tuple(tensor.shape)} does not match the expected {expected}")
-    row_ids = tensors["row_ids"]
-    _in_range("row_ids", row_ids, 0, session.slots, "a slot")
+    row_ids = tensors[slots]
+    _in_range(slots, row_ids, 0, session.slots, "a slot")
     if row_ids.unique().numel() != n:
-        raise InputError(f"row_ids: {row_ids.tolist()} repeats a slot; each row needs its own slot")
+        raise InputError(f"{slots}: {row_ids.tolist()} repeats a slot; each row needs its own slot")
     expected_pos = torch.tensor([session.seq_lens[s] for s in row_ids.tolist()], dtype=torch.int32)
-    if not torch.equal(tensors["positions"].cpu(), expected_pos):
-        raise InputError(f"positions: {tensors['positions'].tolist()} do not continue the slots' committed "
+    if not torch.equal(tensors[positions].cpu(), expected_pos):
+        raise InputError(f"{positions}: {tensors[positions].tolist()} do not continue the slots' committed "
                          f"lengths {expected_pos.tolist()}")
     model = session.package.manifest["model"]
-    if "tokens" in tensors:
-        _in_range("tokens", tensors["tokens"], 0, model["vocab_size"], "a token id")
-    step = {"prefill": "lengths", "commit": "accept_len"}.get(info.name)
-    low = 1 if info.name == "prefill" else 0
+    for name in info.inputs_of("token_ids"):
+        _in_range(name, tensors[name], 0, model["vocab_size"], "a token id")
+    step = info.advances
     if step is not None:
+        low = KINDS[specs[step].info.kind].count_min
         _in_range(step, tensors[step], low, info.width + 1, f"a row count of the {info.width}-wide pass")
-    reach = tensors["positions"].long() + (tensors[step].long() if step else info.width)
-    _in_range("positions", reach, 0, model["max_seq_len"] + 1, f"positions + {step or 'width'} within max_seq_len")
+    reach = tensors[positions].long() + (tensors[step].long() if step else info.width)
+    _in_range(positions, reach, 0, model["max_seq_len"] + 1,
+              f"{positions} + {step or 'width'} within max_seq_len")
     return tensors

@@ -35,7 +35,7 @@ def test_export_twice_in_another_process_is_byte_identical(fused_path, tmp_path)
 
 def test_manifest_records_what_the_abi_says(fused_pkg, tiny_recipe):
     m = fused_pkg.manifest
-    assert m["format_version"] == "1.1" and m["opset_version"] == 1
+    assert m["format_version"] == "2.0" and m["opset_version"] == 2
     assert m["recipe_sha256"] == tiny_recipe.sha256()
     assert m["passes"]["verify"]["width"] == 8 and m["passes"]["draft"]["width"] == 7
     assert m["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8]
@@ -80,25 +80,24 @@ def test_load_refuses_a_file_whose_hash_differs(copy_of):
 
 
 def test_load_refuses_a_newer_format_major(copy_of):
-    _edit_manifest(copy_of, lambda m: m.update(format_version="2.0"))
-    with pytest.raises(PackageError, match=r"format_version 2\.0 is not supported .*reads 1\.0 to 1\.1"):
+    _edit_manifest(copy_of, lambda m: m.update(format_version="3.0"))
+    with pytest.raises(PackageError, match=r"format_version 3\.0 is not supported .*reads 2\.0 to 2\.0"):
         load(copy_of)
 
 
-def test_load_accepts_an_older_minor_and_refuses_a_newer_one(copy_of):
-    _edit_manifest(copy_of, lambda m: m.update(format_version="1.2"))
-    with pytest.raises(PackageError, match="format_version 1.2"):
+def test_load_refuses_a_newer_minor_and_an_older_major(copy_of):
+    _edit_manifest(copy_of, lambda m: m.update(format_version="2.1"))
+    with pytest.raises(PackageError, match="format_version 2.1"):
         load(copy_of)
-    # A 1.0 package (stored weights, no external-weight fields) still loads and runs.
-    _edit_manifest(copy_of, lambda m: m.update(format_version="1.0"))
-    package = load(copy_of)
-    assert package.manifest["format_version"] == "1.0" and not package.external_weights
-    assert package.session(slots=1).weights.keys() == package.weights.keys()
+    # Format 1 recorded no buffer data: such a package is re-exported, not guessed at.
+    _edit_manifest(copy_of, lambda m: m.update(format_version="1.1"))
+    with pytest.raises(PackageError, match=r"format_version 1\.1 is older .*re-export it with this version of b12x"):
+        load(copy_of)
 
 
 def test_load_refuses_an_unknown_opset(copy_of):
-    _edit_manifest(copy_of, lambda m: m.update(opset_version=2))
-    with pytest.raises(PackageError, match="opset_version 2 is unknown"):
+    _edit_manifest(copy_of, lambda m: m.update(opset_version=3))
+    with pytest.raises(PackageError, match="opset_version 3 is unknown"):
         load(copy_of)
 
 

@@ -10,7 +10,7 @@ from b12x_toolchain.runtime.prefix.keys import token_bytes
 from b12x_toolchain.runtime.prefix.l1 import L1Cache
 from b12x_toolchain.runtime.prefix.l2 import L2Store
 from b12x_toolchain.runtime.prefix.snapshot import (LayoutError, SnapshotCodec, SnapshotError, SnapshotMismatch, cache_layout,
-                                   capabilities, package_layout)
+                                   cache_specs, capabilities, package_layout)
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
 from runtime.prefix.helpers import clone, continue_slot, same
@@ -130,9 +130,10 @@ def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(fused
     assert "cache.layer5.compressed" not in kinds  # a Reindex layer owns only its window
     assert fused_pkg.manifest["model"]["capabilities"] == {"supports_prefix_snapshot": True,
                                                            "supports_rotating_cache_snapshot": True}
-    specs = [BufferSpec("cache.layer0.window", "cache", "uint8", ("slots", 128, 66)),
-             BufferSpec("cache.layer0.index_keys", "cache", "uint8", ("slots", 512, 68))]
+    known = [s for s in cache_specs(fused_pkg) if s.name in ("cache.layer0.window", "cache.seq_len")]
+    specs = known + [BufferSpec("cache.layer0.index_keys", "cache", "uint8", ("slots", 512, 68))]  # no kind recorded
     with pytest.raises(LayoutError, match="cache.layer0.index_keys"):
-        cache_layout(specs, [0], 1024)
-    assert capabilities(specs, [0], 1024) == {"supports_prefix_snapshot": False,
-                                              "supports_rotating_cache_snapshot": False}
+        cache_layout(specs, 1024)
+    assert capabilities(specs, 1024) == {"supports_prefix_snapshot": False,
+                                         "supports_rotating_cache_snapshot": False}
+    assert capabilities(known, 1024)["supports_prefix_snapshot"]

@@ -1,0 +1,57 @@
+"""The closed vocabulary of what a buffer IS, as the manifest records it (format 2).
+
+A server, the snapshot codec and `b12x verify` act on a buffer by its kind, never by
+parsing its name: names are labels, kinds are the contract. A manifest naming a kind
+outside this table is refused, so a runtime never guesses what an unknown buffer holds.
+Adding a kind is a format minor bump (an older runtime refuses it by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kind:
+    role: str  # the calling-convention role every buffer of this kind has
+    owner: str | None = None  # "layer" (a target layer), "stage" (a draft stage) or None
+    # How rows are addressed. Caches: "ring" (row = position % rows_per_slot) or "append"
+    # (row = position // ratio). Staging: "paged" (history snapshot + appended rows, in
+    # pages) or "per_position" (one row per position of the pass). None: not row-encoded.
+    rows: str | None = None
+    count_min: int | None = None  # inputs: a per-row count of tokens, at least this many
+
+
+KINDS: dict[str, Kind] = {
+    # Persistent caches, per slot.
+    "window_ring": Kind("cache", "layer", "ring"),  # the last `history` window rows of a layer
+    "compressed_entries": Kind("cache", "layer", "append"),  # one entry per `ratio` positions
+    "index_keys": Kind("cache", "layer", "append"),  # the indexer's key per compressed entry
+    "compressor_state": Kind("cache", "layer", "ring"),  # raw [kv | gate] rows of open groups
+    "index_compressor_state": Kind("cache", "layer", "ring"),  # the same for the indexer's keys
+    "draft_window": Kind("cache", "stage", "ring"),  # a draft stage's window ring
+    "draft_hidden": Kind("cache", "stage", "ring"),  # streams of the last committed position (one row)
+    "seq_len": Kind("cache"),  # int32 per slot: the committed length
+    # Staging, per pass row: written by verify/draft, made persistent by commit.
+    "window_staging": Kind("staging", "layer", "paged"),
+    "entry_staging": Kind("staging", "layer", "per_position"),
+    "index_key_staging": Kind("staging", "layer", "per_position"),
+    "state_staging": Kind("staging", "layer", "per_position"),
+    "index_state_staging": Kind("staging", "layer", "per_position"),
+    "draft_context_staging": Kind("staging", "stage", "per_position"),  # a stage's window rows to commit
+    "draft_hidden_staging": Kind("staging", "stage", "per_position"),
+    "draft_window_staging": Kind("staging", "stage", "paged"),  # the draft pass's own window
+    # Per-pass row inputs.
+    "token_ids": Kind("input"),
+    "slot_ids": Kind("input"),  # the slot each row runs in (padding rows: the scratch slot)
+    "positions": Kind("input"),  # each row's first absolute position: its committed length
+    "new_tokens": Kind("input", count_min=1),  # prefill: how many of the chunk's tokens are real
+    "accepted_tokens": Kind("input", count_min=0),  # commit: how many staged rows become persistent
+}
+
+BUFFER_ROLES = ("cache", "staging")  # described in the manifest's top-level `buffers` table
+ENCODED_ROWS = ("ring", "append", "paged", "per_position")  # kinds whose rows are in a format
+
+
+def kinds_for(role: str) -> tuple[str, ...]:
+    return tuple(name for name, kind in KINDS.items() if kind.role == role)

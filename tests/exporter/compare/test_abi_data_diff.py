@@ -1,0 +1,23 @@
+"""`b12x abi diff` names changes to the buffer and pass data the fingerprint covers (format 2)."""
+
+from __future__ import annotations
+
+from b12x_toolchain.exporter.compare.abi_diff import diff_manifests
+from runtime.package.manifests import contract_manifest, edited
+
+
+def test_buffer_and_pass_data_changes_are_reported(tiny_recipe):
+    base = contract_manifest(tiny_recipe)
+    assert diff_manifests(base, base) == []
+    changes = {
+        "buffer": (lambda m: m["buffers"]["cache.layer2.compressed"].update(format="mxfp8"),
+                   ["buffer cache.layer2.compressed: format nvfp4 -> mxfp8"]),
+        "pass": (lambda m: m["passes"]["commit"].update(reads_staging_of=None),
+                 ["pass commit: reads_staging_of verify -> None"]),
+        "row input": (lambda m: m["passes"]["verify"]["row_inputs"].update(positions="slot_ids"),
+                      ["verify input positions: kind positions -> slot_ids"]),
+    }
+    for label, (edit, lines) in changes.items():
+        other = edited(base, edit)
+        assert other["abi_fingerprint"] != base["abi_fingerprint"], label
+        assert diff_manifests(base, other) == lines, label

@@ -1,0 +1,87 @@
+"""The snapshot codec knows a cache by its recorded kind, ratio and rows, never by its name.
+
+Every cache of the tiny recipe is renamed to an opaque label, keeping its data: the
+layout classifies each the same way, and a capture hydrates another slot byte for byte.
+The name regexes the codec used before format 2 match none of the labels, so under
+them the codec would have refused every cache (LayoutError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.package.contract import BufferInfo
+from b12x_toolchain.runtime.prefix.snapshot import LayoutError, SnapshotCodec, cache_layout, capabilities
+
+OLD_NAMES = (re.compile(r"^cache\.layer(\d+)\.(window|compressed|state|index|index_state)$"),
+             re.compile(r"^cache\.draft(\d+)\.(window|hidden)$"), re.compile(r"^cache\.seq_len$"))
+LENGTH = 301  # the window ring has wrapped, a ratio-2 group is open
+
+
+@pytest.fixture(scope="module")
+def specs(tiny_recipe):
+    d = Dims.from_recipe(tiny_recipe)
+    return PASSES["prefill"](d).caches(), d.max_seq_len
+
+
+def _renamed(specs):
+    return [dataclasses.replace(spec, name=f"buffer{i:02d}") for i, spec in enumerate(specs)]
+
+
+def test_layout_follows_the_data_under_other_names(specs):
+    caches, max_seq_len = specs
+    renamed = _renamed(caches)
+    assert not any(p.match(s.name) for s in renamed for p in OLD_NAMES)  # the old codec knew none of them
+    before, after = cache_layout(caches, max_seq_len), cache_layout(renamed, max_seq_len)
+    by_label = {old.name: new.name for old, new in zip(caches, renamed)}
+    assert {by_label[n]: dataclasses.replace(k, name=by_label[n]) for n, k in before.items()} == after
+    assert capabilities(renamed, max_seq_len)["supports_prefix_snapshot"]
+
+
+def test_a_cache_without_a_known_kind_turns_snapshots_off(specs):
+    caches, max_seq_len = specs
+    # Named exactly like a window ring, but recorded as nothing the codec knows: the name does not help.
+    unknown = BufferSpec("cache.layer0.window", "cache", "uint8", ("slots", 128, 66))
+    with pytest.raises(LayoutError, match=r"cache\.layer0\.window: the snapshot codec does not know cache kind None"):
+        cache_layout([unknown, *caches[1:]], max_seq_len)
+    # An entry cache whose rows do not cover max_seq_len at its ratio.
+    entries = next(s for s in caches if s.info.kind == "compressed_entries")
+    short = dataclasses.replace(entries, shape=("slots", 8, entries.shape[2]),
+                                info=dataclasses.replace(entries.info, rows_per_slot=8))
+    assert not capabilities([short if s is entries else s for s in caches], max_seq_len)["supports_prefix_snapshot"]
+
+
+def _fake(specs, max_seq_len):
+    """A package and a session of two slots (plus scratch) holding random bytes: all the codec touches."""
+    package = SimpleNamespace(manifest={"model": {"max_seq_len": max_seq_len}, "format_version": "2.0"},
+                              passes={"ingest": SimpleNamespace(inputs=specs)})
+    gen = torch.Generator().manual_seed(0)
+    caches = {s.name: torch.randint(0, 256, s.resolve({"slots": 3}), generator=gen, dtype=torch.uint8)
+              if s.dtype == "uint8" else torch.zeros(3, dtype=torch.int32) for s in specs}
+    session = SimpleNamespace(package=package, slots=2, caches=caches, seq_lens=[0, 0, 0])
+    session.reset_slot = lambda slot: session.seq_lens.__setitem__(slot, 0)
+    return package, session
+
+
+def test_capture_and_hydrate_under_other_names(specs):
+    renamed = _renamed(specs[0])
+    package, session = _fake(renamed, specs[1])
+    length_name = next(s.name for s in renamed if s.info == BufferInfo("seq_len"))
+    session.caches[length_name][0], session.seq_lens[0] = LENGTH, LENGTH
+    codec = SnapshotCodec(package)
+    snap = codec.capture(session, 0, list(range(LENGTH)))
+    codec.hydrate(session, 1, snap)
+    assert session.seq_lens[1] == LENGTH and int(session.caches[length_name][1]) == LENGTH
+    for name, kind in codec.layout.items():
+        rows = kind.rows(LENGTH)
+        assert rows > 0 and torch.equal(session.caches[name][1, :rows], session.caches[name][0, :rows]), name
+    rings = {k.capacity for k in codec.layout.values() if k.window}
+    assert codec.wrapped(LENGTH) and rings == {128}
