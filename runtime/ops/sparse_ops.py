@@ -76,18 +76,23 @@ def _row_scores(q, head_weights, index_cache, new_keys, row_ids, positions, r: i
 def _top_ids(score: torch.Tensor, ids: torch.Tensor, k: int, out: torch.Tensor) -> None:
     """out[t] = the ids of the k best finite scores, ascending, -1 padded.
 
-    Ties go to the earlier entry: ids are in ascending order and the sort is stable,
-    so the choice is a property of the positions, not of how many entries a pass holds.
+    Ties go to the earlier entry (ids are ascending along the last axis): everything above
+    the k-th best score is taken, then the earliest entries equal to it until k are
+    chosen, so the choice is a property of the positions, not of how many entries a pass
+    holds or of how a top-k kernel orders equal values. A partial top-k finds the k-th
+    score; nothing sorts all n scores.
     """
-    take = min(k, score.shape[-1])
     out.fill_(-1)
+    take = min(k, score.shape[-1])
     if take == 0:
         return
-    order = torch.sort(score, dim=-1, descending=True, stable=True)
-    chosen = torch.where(order.values[:, :take] > NEG_INF, ids[order.indices[:, :take]], -1)
-    big = torch.iinfo(torch.int64).max
-    ascending = torch.sort(torch.where(chosen >= 0, chosen, big), dim=-1).values
-    out[:, :take] = torch.where(ascending == big, -1, ascending).to(out.dtype)
+    kth = torch.topk(score, take, dim=-1).values[:, -1:]
+    above = score > kth
+    tied = (score == kth) & (kth > NEG_INF)
+    room = take - above.sum(dim=-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))
+    t, j = chosen.nonzero(as_tuple=True)
+    out[t, (chosen.cumsum(dim=-1) - 1)[t, j]] = ids[j].to(out.dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
