@@ -12,6 +12,7 @@ import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 REGISTRY: dict[str, Callable[["Settings"], list["Measurement"]]] = {}
@@ -34,6 +35,7 @@ class Settings:
     repeat: int = 20  # timed A/B rounds per case
     warmup: int = 2  # untimed rounds first: the first replays pay one-off allocation and dispatch costs
     packages: tuple | None = None  # (fused, unfused) package paths of the replay recipe, reused instead of exported
+    exports: Path | None = None  # context_scaling: export its variants here, reusing the ones already there
 
 
 @dataclass

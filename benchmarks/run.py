@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                              "other work, 1 avoids threads waiting on each other and steadies the timings")
     parser.add_argument("--packages", metavar="PKG", type=Path, nargs=2,
                         help="replay: reuse these fused and unfused packages of its recipe instead of exporting them")
+    parser.add_argument("--exports", metavar="DIR", type=Path,
+                        help="context_scaling: export its recipe variants into DIR, reusing those already there")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
         parser.error("--repeat and --threads must be at least 1, --warmup at least 0")
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     load_before = load_average()
     settings = Settings(repeat=args.repeat, warmup=args.warmup,
-                        packages=tuple(args.packages) if args.packages else None)
+                        packages=tuple(args.packages) if args.packages else None, exports=args.exports)
     measurements = run(known, names, settings, console)
     console.print(table(measurements))
 
