@@ -12,6 +12,7 @@ without following links. The root itself may be a symbolic link (deployments swi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -59,12 +60,23 @@ class PassInfo:
     advances: str | None = None  # the input whose counts move the committed length; None: staging only
     reads_staging_of: str | None = None  # the pass whose staging this one makes persistent
 
+    @functools.cached_property
+    def _row_inputs(self) -> dict[str, list[str]]:
+        """Row input names by kind, built once: every replay looks inputs up by kind, and
+        `inputs` also lists every weight (thousands at full size)."""
+        by_kind: dict[str, list[str]] = {}
+        for spec in self.inputs:
+            if spec.role == "input":
+                by_kind.setdefault(spec.info.kind, []).append(spec.name)
+        return by_kind
+
     def input_of(self, kind: str) -> str | None:
         """The name of this pass's row input of `kind` (the first, if several), or None."""
-        return next((s.name for s in self.inputs if s.role == "input" and s.info.kind == kind), None)
+        names = self._row_inputs.get(kind)
+        return names[0] if names else None
 
     def inputs_of(self, kind: str) -> list[str]:
-        return [s.name for s in self.inputs if s.role == "input" and s.info.kind == kind]
+        return list(self._row_inputs.get(kind, ()))
 
 
 class Package:
@@ -79,7 +91,7 @@ class Package:
     def vocab_size(self) -> int:
         return self.manifest["model"]["vocab_size"]
 
-    @property
+    @functools.cached_property
     def buffers(self) -> dict[str, BufferSpec]:
         """Every cache and staging buffer any pass binds, by name, with its info."""
         return {s.name: s for info in self.passes.values() for s in info.inputs if described(s.role)}

@@ -67,10 +67,15 @@ def _dense_ids(c, capacity):
                       closing_ids(c["positions"], c["q"].shape[1], c["ratio"])], dim=1)
 
 
-def _dense_topk(c, capacity, k):
+def _dense_scores(c, capacity):
+    """[R, T, capacity + T] indexer scores of every dense column, -inf where not visible."""
     keys = _dense_entries(c, c["index_cache"], c["new_keys"], c["index_fmt"], INDEX_DIM)
     per_head = torch.relu(torch.einsum("rthd,rsd->rths", c["iq"], keys)) * INDEX_DIM ** -0.5
-    score = (per_head * c["head_weights"][..., None]).sum(dim=2).masked_fill(~_dense_visible(c, capacity), -torch.inf)
+    return (per_head * c["head_weights"][..., None]).sum(dim=2).masked_fill(~_dense_visible(c, capacity), -torch.inf)
+
+
+def _dense_topk(c, capacity, k):
+    score = _dense_scores(c, capacity)
     order = torch.sort(score, dim=-1, descending=True, stable=True)
     ids = _dense_ids(c, capacity)
     chosen = []
@@ -131,9 +136,7 @@ def test_candidate_blocks_are_the_best_blocks_plus_the_newest():
     c = _case(2, 8, 1, 256, [37, 5])
     got = ops.candidate_blocks(c["iq"], c["head_weights"], c["index_cache"], c["new_keys"], c["row_ids"],
                                c["positions"], 1, 4, 3, c["index_fmt"])
-    keys = _dense_entries(c, c["index_cache"], c["new_keys"], "mxfp4", INDEX_DIM)
-    per_head = torch.relu(torch.einsum("rthd,rsd->rths", c["iq"], keys)) * INDEX_DIM ** -0.5
-    score = (per_head * c["head_weights"][..., None]).sum(dim=2).masked_fill(~_dense_visible(c, 256), -torch.inf)
+    score = _dense_scores(c, 256)
     ids = _dense_ids(c, 256)
     for r in range(2):
         for t in range(8):
