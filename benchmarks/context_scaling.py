@@ -1,8 +1,8 @@
 """Does a pass's cost follow the request's committed length, or the recipe's max_seq_len?
 
-Op set v2's attention ops (`runtime/ops/sparse_ops.py`) read only the entries a request
-has committed, so the same request should cost the same whatever capacity its caches
-were sized for. Two groups of rows:
+Op set v3's attention ops (`runtime/ops/sparse_ops.py`) read only the entries a request
+has committed, through its block table into paged caches, so the same request should
+cost the same whatever capacity its caches were sized for. Two groups of rows:
 
 * verify, draft, prefill: the `dsv41-tiny` recipe exported with `model.max_seq_len` set
   to 1k, 16k, 256k and 1M (nothing else changed; the very same weights), one CPU session
@@ -13,10 +13,12 @@ were sized for. Two groups of rows:
   output of every replay (and the prompt's first token) is checked to be identical to the
   1k package's: the variants must do the very same work.
 * indexer: `torch.ops.b12x_toolchain.indexer_topk` called directly, on random index keys
-  encoded in the recipe's index format, at the verify width, with the recipe's indexer
-  heads, dims and top-k, ratio 1, no candidates. Committed 4k and 16k against 1k (cache
-  capacity 16k): it should grow with what is committed (ratio about 4 and 16). Capacity
-  1M against 16k at committed 1k: it should not grow with the capacity (ratio about 1).
+  encoded in the recipe's index format and paged (PAGE_RECORDS records per page, the
+  row's block table mapping its pages in shuffled order, pages past the stored keys
+  poisoned), at the verify width, with the recipe's indexer heads, dims and top-k,
+  ratio 1, no candidates. Committed 4k and 16k against 1k (cache capacity 16k): it
+  should grow with what is committed (ratio about 4 and 16). Capacity 1M against 16k at
+  committed 1k: it should not grow with the capacity (ratio about 1).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ MAX_SEQ_LENS = (1 << 10, 1 << 14, 1 << 18, 1 << 20)  # the first is every compar
 PROMPT_TOKENS = 150  # three prefill chunks, past the 128-token window
 INDEXER_COMMITTED = (1 << 10, 1 << 12, 1 << 14)  # the first is the baseline
 INDEXER_CAPACITIES = (1 << 14, 1 << 20)  # the first holds every committed length above
+PAGE_RECORDS = 64  # index-key records (tokens, at ratio 1) per page of the indexer rows' cache
 EXPORT_JOBS = 2  # passes exported at once, in worker processes
 SEED = 0
 
@@ -150,8 +153,13 @@ class Prefilled:
 
     @property
     def cache_bytes(self) -> int:
-        """Persistent cache bytes of one slot (the session also holds the scratch slot)."""
-        return sum(t.nbytes for t in self.session.caches.values()) // (self.session.slots + 1)
+        """Persistent cache bytes of one slot: its rows of the per-slot caches (the session
+        also holds the scratch slot's) plus the pages the session's pools hold per slot
+        (by default, enough for every slot to reach max_seq_len; the scratch slot has none)."""
+        session = self.session
+        paged = {name for caches in session.pages.caches.values() for name in caches}
+        rings = sum(t.nbytes for name, t in session.caches.items() if name not in paged) // (session.slots + 1)
+        return rings + sum(pool.count * pool.page_bytes for pool in session.pages.pools.values()) // session.slots
 
 
 def per_chunk(m, chunks: int):
@@ -195,26 +203,42 @@ def model_cases(pkgs, settings: Settings, prompt_tokens: int = PROMPT_TOKENS) ->
 
 
 class IndexerCall:
-    """indexer_topk on one slot at committed length `committed`, its cache sized `capacity`."""
+    """indexer_topk on one row at committed length `committed`, its pages sized for `capacity`.
+
+    The index keys are paged as op set v3 stores them: a pool of ceil(capacity /
+    PAGE_RECORDS) pages of PAGE_RECORDS records each (ratio 1: one record per token), the
+    row's block table [1, pages_per_slot] mapping its pages to a shuffled order of the
+    pool's pages (a page id says nothing about where a row's entries are), every key
+    written through it. Only the block table's first ceil(committed / PAGE_RECORDS)
+    columns are live; the op must read no more than those, and pages holding no key are
+    0xFF bytes (NaN scales), which would change the choice if it read them.
+    """
 
     def __init__(self, d: Dims, keys: torch.Tensor, committed: int, capacity: int, gen: torch.Generator):
         fmt = get_format(d.index_format)
         T, H, D = d.verify_width, d.index_heads, d.index_head_dim
         self.committed, self.capacity, self.d = committed, capacity, d
-        # Slot 0 holds the keys; slot 1 stands for a session's scratch slot.
-        self.cache = torch.zeros(2, capacity, fmt.row_bytes(D), dtype=torch.uint8)
-        fmt.encode(keys[:capacity], out=self.cache[0, : min(capacity, keys.shape[0])])
+        pages = -(-capacity // PAGE_RECORDS)
+        record = fmt.row_bytes(D)
+        self.cache = torch.full((pages, PAGE_RECORDS * record), 0xFF, dtype=torch.uint8)
+        order = torch.randperm(pages, generator=torch.Generator().manual_seed(SEED + pages))
+        self.block_table = order[None].to(torch.int32)  # [1, pages_per_slot]
+        self.pages_used = -(-committed // PAGE_RECORDS)
+        stored = min(capacity, keys.shape[0])
+        records = torch.zeros(-(-stored // PAGE_RECORDS) * PAGE_RECORDS, record, dtype=torch.uint8)
+        fmt.encode(keys[:stored], out=records[:stored])
+        self.cache.view(pages, PAGE_RECORDS, record)[order[: records.shape[0] // PAGE_RECORDS]] = \
+            records.view(-1, PAGE_RECORDS, record)
         self.q = torch.randn(1, T, H, D, generator=gen)
         self.head_weights = torch.randn(1, T, H, generator=gen) * H ** -0.5
         self.new_keys = torch.randn(1, T, D, generator=gen)
-        self.row_ids = torch.tensor([0], dtype=torch.int32)
         self.positions = torch.tensor([committed], dtype=torch.int32)  # ratio 1: committed entries = positions
 
     def __call__(self) -> torch.Tensor:
         d = self.d
         return torch.ops.b12x_toolchain.indexer_topk(self.q, self.head_weights, self.cache, self.new_keys,
-                                                     self.row_ids, self.positions, None, 1, d.candidate_block_size,
-                                                     d.index_topk, d.index_format)
+                                                     self.block_table, self.positions, None, 1,
+                                                     d.candidate_block_size, d.index_topk, d.index_format)
 
 
 def indexer_cases(d: Dims, settings: Settings, committed=INDEXER_COMMITTED, capacities=INDEXER_CAPACITIES) -> list:
@@ -229,7 +253,7 @@ def indexer_cases(d: Dims, settings: Settings, committed=INDEXER_COMMITTED, capa
         return IndexerCall(d, keys, n, capacity, torch.Generator().manual_seed(SEED + 1))  # the same queries
 
     params = {"ratio": 1, "width": d.verify_width, "heads": d.index_heads, "dim": d.index_head_dim,
-              "topk": d.index_topk, "format": d.index_format}
+              "topk": d.index_topk, "format": d.index_format, "page_records": PAGE_RECORDS}
     base = call(committed[0], small)
     out = []
     for n in committed[1:]:
@@ -251,14 +275,20 @@ def indexer_cases(d: Dims, settings: Settings, committed=INDEXER_COMMITTED, capa
     return out
 
 
-@benchmark("context_scaling")
-def context_scaling_benchmark(settings: Settings) -> list:
-    base = load_recipe(RECIPE)
-    recipes = [variant(base, n) for n in MAX_SEQ_LENS]
+def exported_variants(max_seq_lens, settings: Settings, jobs: int = EXPORT_JOBS) -> list:
+    """Loaded packages of RECIPE at each of `max_seq_lens`, one set of weights for all: in
+    `settings.exports` (`--exports DIR`), reusing the packages already there, else exported
+    into a temporary directory. Other benchmarks take their long-context packages from here,
+    so one DIR serves them all."""
+    recipes = [variant(load_recipe(RECIPE), n) for n in max_seq_lens]
     weights = shared_weights(recipes)
     if settings.exports is not None:
-        pkgs = packages(recipes, settings.exports, weights)
-    else:
-        with tempfile.TemporaryDirectory(prefix="b12x-bench-context-") as tmp:
-            pkgs = packages(recipes, Path(tmp), weights)
-    return model_cases(pkgs, settings) + indexer_cases(Dims.from_recipe(base), settings)
+        return packages(recipes, settings.exports, weights, jobs)
+    with tempfile.TemporaryDirectory(prefix="b12x-bench-context-") as tmp:
+        return packages(recipes, Path(tmp), weights, jobs)
+
+
+@benchmark("context_scaling")
+def context_scaling_benchmark(settings: Settings) -> list:
+    pkgs = exported_variants(MAX_SEQ_LENS, settings)
+    return model_cases(pkgs, settings) + indexer_cases(Dims.from_recipe(load_recipe(RECIPE)), settings)

@@ -21,11 +21,12 @@ passed. Checks, for the tiny recipe and the full-size window writer shapes:
 * graph replays per second, fused vs unfused: fused at least as fast;
 * fused writer bandwidth at least 70% of a device-to-device copy of the same bytes;
 * sparse ops (`indexer_topk`, `candidate_blocks`, `sparse_attention`) against the CPU
-  reference on the test suite's cases (`kernel_cases.SPARSE_CASES`, caches poisoned past
-  the committed length): index outputs identical, attention within 1e-5; then at
-  committed lengths 1k / 4k / 16k in one capacity (16k + 64): identical again (scores
-  built exact, so rounding cannot decide a choice), and each op captured in a CUDA graph
-  (no host sync) and timed at the full model's shapes, where time must follow the length.
+  reference on the test suite's cases (`kernel_cases.SPARSE_CASES`, paged caches in
+  shuffled pages, poisoned past the committed length): index outputs identical, attention
+  within 1e-5; then at committed lengths 1k / 4k / 16k in one capacity (block tables for
+  16k + 64 entries, 64 per page): identical again (scores built exact, so rounding cannot
+  decide a choice), and each op captured in a CUDA graph (no host sync) and timed at the
+  full model's shapes, where time must follow the length.
 
 `--device cpu` runs what it can on the CPU (kernels in Triton's interpreter, sessions
 without capture); it checks this script, and proves nothing about a GPU.
@@ -133,12 +134,21 @@ def kernel_bytes(device: str) -> None:
         R.write_rows(want, staged, ids, idx, valid, "bytes")
         dev_cache = cache.to(device)
         rows_ops.write_rows(dev_cache, staged.to(device), ids.to(device), idx.to(device), valid.to(device), "bytes")
+        # write_slots: the same rows encoded into scattered records of a paged cache (4 per page).
+        pages = torch.randint(0, 256, (7, 4 * nbytes), dtype=torch.uint8, generator=gen)
+        slots = torch.where(valid, torch.randperm(28, generator=gen)[:24].view(3, 8), -1)
+        paged = pages.clone()
+        R.write_slots(paged, values, slots, fmt)
+        dev_pages = pages.to(device)
+        rows_ops.write_slots(dev_pages, values.to(device), slots.to(device), fmt)
         dec = rows_ops.read_rows(staged.to(device), dim, fmt).cpu()
         dec_ref = R.read_rows(staged, dim, fmt)
         same_dec = torch.equal(torch.isnan(dec), torch.isnan(dec_ref)) and torch.equal(
             torch.nan_to_num(dec, nan=0.0).view(torch.int32), torch.nan_to_num(dec_ref, nan=0.0).view(torch.int32))
-        ok = torch.equal(got.cpu(), staged) and torch.equal(dev_cache.cpu(), want) and same_dec
-        record(f"row ops {fmt} d{dim}", ok, "stage_rows, write_rows(bytes), read_rows identical" if ok else "mismatch")
+        ok = (torch.equal(got.cpu(), staged) and torch.equal(dev_cache.cpu(), want) and same_dec
+              and torch.equal(dev_pages.cpu(), paged))
+        record(f"row ops {fmt} d{dim}", ok,
+               "stage_rows, write_rows(bytes), write_slots, read_rows identical" if ok else "mismatch")
 
 
 # ---------------------------------------------------------------- sparse ops
@@ -148,6 +158,7 @@ SPARSE_ROWS = 4
 # The full model's indexer and attention (recipes/dsv41.yaml); candidate blocks of 8.
 SPARSE_FULL = dict(dim=512, heads=64, index_dim=128, index_heads=32, fmt="nvfp4", index_fmt="mxfp4")
 SPARSE_TOPK, SPARSE_FULL_BLOCK, SPARSE_FULL_BLOCKS = 512, 8, 256
+SPARSE_PAGE_ENTRIES = 64  # entries per cache page in the length cases
 
 
 def _sparse_calls(case: dict, block_size: int, blocks: int, topk: int) -> dict:
@@ -210,15 +221,17 @@ def sparse_kernels(device: str, specs=None, extras: bool = True) -> None:
 
 
 def sparse_length_case(committed: int, exact: bool, device: str = "cpu") -> dict:
-    """SPARSE_ROWS rows at ratio 1 that have each committed `committed` entries, in a cache
-    of one capacity for every length; `exact`: index dim 64 with grid-valued scores."""
+    """SPARSE_ROWS rows at ratio 1 that have each committed `committed` entries, in paged
+    caches whose block tables address one capacity for every length; `exact`: index dim 64
+    with grid-valued scores."""
     import torch
 
     from benchmarks.kernel_cases import sparse_case
 
     shape = dict(SPARSE_FULL, index_dim=64) if exact else SPARSE_FULL
     return sparse_case(torch.Generator().manual_seed(committed), [committed] * SPARSE_ROWS, 8, 1,
-                       capacity=max(SPARSE_LENGTHS) + 64, slots=SPARSE_ROWS, exact=exact, device=device, **shape)
+                       capacity=max(SPARSE_LENGTHS) + 64, page_entries=SPARSE_PAGE_ENTRIES, exact=exact,
+                       device=device, **shape)
 
 
 def _graph_seconds(fn, rounds: int = 10) -> float:

@@ -79,6 +79,7 @@ SPARSE_CASES = [
     (128, [0, 130, 255], 7, "fp32", "mxfp8", 64),
 ]
 SPARSE_BLOCK_SIZE, SPARSE_BLOCKS = 4, 3  # candidate blocks of the small cases
+PAGE_ENTRIES = 4  # entries per cache page in the small cases: every row spans several pages
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -103,70 +104,115 @@ def _grid_rows(gen: torch.Generator, shape: tuple, dim: int) -> torch.Tensor:
     return x
 
 
+def page_table(gen: torch.Generator, mapped: list[int], width: int, spare: int = 3) -> torch.Tensor:
+    """A block table [R, width] into a pool of sum(mapped) + spare pages: row r's first
+    mapped[r] columns are distinct pages in random order, -1 after; the spare pages no row owns."""
+    order = torch.randperm(sum(mapped) + spare, generator=gen).to(torch.int32)
+    table = torch.full((len(mapped), width), -1, dtype=torch.int32)
+    start = 0
+    for r, count in enumerate(mapped):
+        table[r, :count] = order[start : start + count]
+        start += count
+    return table
+
+
+def to_pages(records: torch.Tensor, table: torch.Tensor, per_page: int, pages: int) -> torch.Tensor:
+    """A paged cache [pages, per_page * record_bytes] holding row r's records [R, n, record_bytes]
+    in the pages table[r] maps, entry j in page table[r, j // per_page]. Every other byte is
+    0xFF (NaN in every format): pages no row owns, and records past n."""
+    R, n, record_bytes = records.shape
+    width = table.shape[1]
+    rows = torch.full((R, width * per_page, record_bytes), 0xFF, dtype=torch.uint8)
+    rows[:, : min(n, width * per_page)] = records[:, : width * per_page]
+    cache = torch.full((pages, per_page * record_bytes), 0xFF, dtype=torch.uint8)
+    mapped = table >= 0
+    cache[table[mapped].long()] = rows.view(R, width, -1)[mapped]
+    return cache
+
+
+def page_case(case: dict, gen: torch.Generator, width: int | None = None, spare: int = 3) -> dict:
+    """`case` with its entry and index records (`entry_records`, `index_records`) laid out in
+    paged caches under a new random block table, shared by both caches (the same entries
+    per page in each). Each row maps the pages of the entries it holds once this pass is
+    written (committed plus the groups it closes), -1 after; `width` (the capacity a table
+    addresses, in pages) defaults to the records' capacity."""
+    per_page = case["page_entries"]
+    capacity = case["entry_records"].shape[1]
+    width = width or -(-capacity // per_page)
+    T = case["iq"].shape[1]
+    held = [(p + T) // case["ratio"] for p in case["positions"].tolist()]
+    mapped = [min(-(-n // per_page), width) for n in held]
+    table, pages = page_table(gen, mapped, width, spare), sum(mapped) + spare
+    return dict(case, block_table=table,
+                entry_cache=to_pages(case["entry_records"].cpu(), table, per_page, pages),
+                index_cache=to_pages(case["index_records"].cpu(), table, per_page, pages))
+
+
 def sparse_case(gen: torch.Generator, positions: list[int], width: int, ratio: int, *, fmt: str = "nvfp4",
                 index_fmt: str = "mxfp4", index_dim: int = 64, dim: int = 64, heads: int = 4,
-                index_heads: int = 4, capacity: int | None = None, slots: int = 4, ties: bool = False,
-                exact: bool = False, device="cpu") -> dict:
+                index_heads: int = 4, capacity: int | None = None, page_entries: int = PAGE_ENTRIES,
+                ties: bool = False, exact: bool = False, device="cpu") -> dict:
     """Arguments of `indexer_topk`, `candidate_blocks` and `sparse_attention` for these rows.
 
-    Cache bytes past each row's committed length (`positions[r] // ratio`) are 0xFF: NaN in
-    every format, so an op that reads past the length shows it. `ties`: every index score
-    is an exact 0 (keys opposite to the queries, ReLU'd away), so the tie rule decides all.
-    `exact`: queries, weights and keys on coarse grids with `index_dim` 64, so every score
-    is exact in fp32 in any summation order (the selection cannot depend on rounding), and
-    stored keys in equal pairs (ids 2i, 2i + 1), so nonzero scores tie. Otherwise scores
-    are random floats without exact ties, except ReLU zeros where every head's product is
+    Every row's entries live in paged caches (`page_case`: shuffled pages, `page_entries`
+    per page, 0xFF in pages no row owns). Record bytes past each row's committed length
+    (`positions[r] // ratio`) are 0xFF: NaN in every format, so an op that reads past the
+    length, or through a wrong page, shows it. `ties`: every index score is an exact 0
+    (keys opposite to the queries, ReLU'd away), so the tie rule decides all. `exact`:
+    queries, weights and keys on coarse grids with `index_dim` 64, so every score is exact
+    in fp32 in any summation order (the selection cannot depend on rounding), and stored
+    keys in equal pairs (ids 2i, 2i + 1), so nonzero scores tie. Otherwise scores are
+    random floats without exact ties, except ReLU zeros where every head's product is
     negative.
     """
     rows = len(positions)
     committed = [p // ratio for p in positions]
     capacity = capacity or max(max(committed), 1) + 16
     if exact:
-        index = _grid_rows(gen, (slots, capacity), index_dim)
+        index = _grid_rows(gen, (rows, capacity), index_dim)
         index[:, 1::2] = index[:, 0::2][:, : capacity // 2]  # equal pairs: an odd k splits a tie
         iq = torch.randint(-2, 3, (rows, width, index_heads, index_dim), generator=gen) / 2.0
         weights = torch.randint(1, 9, (rows, width, index_heads), generator=gen) / 8.0
         new_keys = _grid_rows(gen, (rows, width), index_dim)
     else:
-        index = torch.randn(slots, capacity, index_dim, generator=gen)
+        index = torch.randn(rows, capacity, index_dim, generator=gen)
         iq = torch.randn(rows, width, index_heads, index_dim, generator=gen)
         weights = torch.rand(rows, width, index_heads, generator=gen) + 0.1
         new_keys = torch.randn(rows, width, index_dim, generator=gen)
     if ties:
         iq, index, new_keys = iq.abs(), -index.abs(), -new_keys.abs()
-    index_cache = get_format(index_fmt).encode(index)
-    entry_cache = get_format(fmt).encode(torch.randn(slots, capacity, dim, generator=gen))
-    row_ids = torch.randperm(slots, generator=gen)[:rows].to(torch.int32)
-    for r, slot in enumerate(row_ids.tolist()):
-        index_cache[slot, committed[r]:] = 0xFF
-        entry_cache[slot, committed[r]:] = 0xFF
+    index_records = get_format(index_fmt).encode(index)
+    entry_records = get_format(fmt).encode(torch.randn(rows, capacity, dim, generator=gen))
+    for r in range(rows):
+        index_records[r, committed[r]:] = 0xFF
+        entry_records[r, committed[r]:] = 0xFF
     # This pass's rows as a later read of the cache returns them.
     later = lambda x, f, d: get_format(f).decode(get_format(f).encode(x), d)  # noqa: E731
     window_rows = 6 + width
     case = {
         "q": torch.randn(rows, width, heads, dim, generator=gen),
         "iq": iq, "head_weights": weights,
-        "index_cache": index_cache, "new_keys": later(new_keys, index_fmt, index_dim),
-        "entry_cache": entry_cache, "new_entries": later(torch.randn(rows, width, dim, generator=gen), fmt, dim),
-        "row_ids": row_ids, "positions": torch.tensor(positions, dtype=torch.int32),
+        "index_records": index_records, "new_keys": later(new_keys, index_fmt, index_dim),
+        "entry_records": entry_records, "new_entries": later(torch.randn(rows, width, dim, generator=gen), fmt, dim),
+        "positions": torch.tensor(positions, dtype=torch.int32),
         "window": torch.randn(rows, window_rows, dim, generator=gen),
         "window_visible": torch.rand(rows, width, window_rows, generator=gen) > 0.3,
         "sinks": torch.randn(heads, generator=gen),
     }
-    case = {k: v.to(device) for k, v in case.items()}
-    case.update(ratio=ratio, fmt=fmt, index_fmt=index_fmt, committed=committed)
-    return case
+    case.update(ratio=ratio, fmt=fmt, index_fmt=index_fmt, committed=committed, page_entries=page_entries)
+    case = page_case(case, gen)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
 
 
 def topk_args(case: dict, candidates=None, block_size: int = 4, topk: int = 8) -> tuple:
     """`indexer_topk`'s arguments for a sparse case."""
-    return (case["iq"], case["head_weights"], case["index_cache"], case["new_keys"], case["row_ids"],
+    return (case["iq"], case["head_weights"], case["index_cache"], case["new_keys"], case["block_table"],
             case["positions"], candidates, case["ratio"], block_size, topk, case["index_fmt"])
 
 
 def blocks_args(case: dict, block_size: int = 4, blocks: int = 3) -> tuple:
     """`candidate_blocks`' arguments for a sparse case."""
-    return (case["iq"], case["head_weights"], case["index_cache"], case["new_keys"], case["row_ids"],
+    return (case["iq"], case["head_weights"], case["index_cache"], case["new_keys"], case["block_table"],
             case["positions"], case["ratio"], block_size, blocks, case["index_fmt"])
 
 
@@ -174,4 +220,4 @@ def attention_args(case: dict, indices=None, entries: bool = True) -> tuple:
     """`sparse_attention`'s arguments for a sparse case (window only when not `entries`)."""
     return (case["q"], case["window"], case["window_visible"], case["sinks"],
             case["entry_cache"] if entries else None, case["new_entries"] if entries else None,
-            case["row_ids"], case["positions"], indices, case["ratio"], case["fmt"])
+            case["block_table"], case["positions"], indices, case["ratio"], case["fmt"])

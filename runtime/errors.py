@@ -27,3 +27,7 @@ class SnapshotError(ValueError):
 
 class LayoutError(SnapshotError):
     """The package has a cache the codec does not know how to snapshot."""
+
+
+class PagesExhausted(InputError):
+    """The pages a request or pass needs cannot be had now; nothing was written."""

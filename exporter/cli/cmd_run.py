@@ -14,7 +14,8 @@ from rich.table import Table
 from b12x_toolchain.exporter.cli.common import fail
 from b12x_toolchain.exporter.cli.run_requests import Defaults, PromptError, from_ids, parse_ids, read_prompt_file
 
-STEP_COLUMNS = ("step", "rows", "padding_rows", "drafted", "accepted", "bonus", "admitted", "retired", "slot_reuse")
+STEP_COLUMNS = ("step", "rows", "padding_rows", "drafted", "accepted", "bonus", "admitted", "retired", "slot_reuse",
+                "page_waits")
 
 
 def _requests(prompt_ids, prompt_files, defaults: Defaults) -> list:
@@ -22,6 +23,18 @@ def _requests(prompt_ids, prompt_files, defaults: Defaults) -> list:
     for path in prompt_files:
         items += read_prompt_file(Path(path), defaults)
     return items
+
+
+def _pages_table(stats: dict) -> Table:
+    """Per page pool: pages, in use (by slots or snapshots), free, shared, copied, evicted."""
+    columns = ("pages", "in_use", "free", "shared", "allocated", "copied", "evicted")
+    table = Table(title="pages")
+    table.add_column("pool")
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="right")
+    for pool, counts in stats["pools"].items():
+        table.add_row(pool, *(str(counts[c]) for c in columns))
+    return table
 
 
 def _stats_table(stats: dict, title: str) -> Table:
@@ -67,6 +80,11 @@ def _steps_table(steps: list[dict]) -> Table:
               help="0 decodes greedily; above 0 samples (speculative sampling keeps the target's distribution).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed; requests may set their own.")
 @click.option("--slots", type=click.IntRange(min=1), help="Request slots [default: one per prompt, up to the largest rows bucket].")
+@click.option("--pages", type=click.IntRange(min=1),
+              help="Pages of each paged-cache pool [default: enough for every slot to reach max_seq_len]; "
+                   "requests wait for pages, and one that could never fit is refused.")
+@click.option("--cache-bytes", type=click.IntRange(min=1),
+              help="Byte budget of the paged caches, split so every pool holds the same tokens (instead of --pages).")
 @click.option("--show-steps", is_flag=True, help="Also print every step's statistics.")
 @click.option("--threads", type=click.IntRange(min=1),
               help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine.")
@@ -75,8 +93,8 @@ def _steps_table(steps: list[dict]) -> Table:
                    "with the same prompt prefix skips prefilling it.")
 @click.option("--prefix-cache-bytes", type=click.IntRange(min=0),
               help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
-def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, show_steps,
-        threads, prefix_cache_dir, prefix_cache_bytes):
+def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
+        cache_bytes, show_steps, threads, prefix_cache_dir, prefix_cache_bytes):
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report."""
     from b12x_toolchain.runtime import PackageError, load
     from b12x_toolchain.runtime.serving.engine import Engine
@@ -88,6 +106,8 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
         raise click.UsageError("give at least one prompt: --prompt-ids or --prompts")
     if greedy and temperature > 0:
         raise click.UsageError("--greedy decodes greedily; it cannot be combined with --temperature above 0")
+    if pages is not None and cache_bytes is not None:
+        raise click.UsageError("--pages and --cache-bytes both size the paged caches; give one of them")
     try:
         stop = tuple(t for text in stop_ids for t in parse_ids(text))
         items = _requests(prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
@@ -105,7 +125,8 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
                           model["vocab_size"], model["max_seq_len"])
         buckets = loaded.passes["verify"].rows_buckets
-        session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]))
+        session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]), pages=pages,
+                                 cache_bytes=cache_bytes)
         if prefix_cache_dir is not None or prefix_cache_bytes is not None:
             budget = (1 << 30) if prefix_cache_bytes is None else prefix_cache_bytes
             cache = PrefixCache(loaded, l1_bytes=budget, l2_dir=prefix_cache_dir, l2_bytes=budget)
@@ -143,4 +164,5 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
         report |= {f"prefix {k}": v for k, v in cache.stats_dict().items()
                    if k in ("exact_hits", "prefix_hits", "misses", "prefill_tokens_saved")}
     console.print(_stats_table(report, mode))
+    console.print(_pages_table(session.pages.stats()))
     console.print(_requests_table(states))

@@ -92,6 +92,8 @@ def random_inputs(session, pass_name: str, row_ids: list[int], gen: torch.Genera
             out[spec.name] = row_ids
         elif kind == "positions":
             out[spec.name] = [session.seq_lens[s] for s in row_ids]
+        elif KINDS[kind].pool is not None:  # block tables: the session gives each row its pages
+            continue
         elif KINDS[kind].count_min is not None:  # rows to make persistent: count_min..width
             out[spec.name] = torch.randint(KINDS[kind].count_min, info.width + 1, (rows,), generator=gen,
                                            dtype=torch.int32)
@@ -130,10 +132,23 @@ def _compare_replay(pair: Pair, check: Check, trial: int, outputs: tuple, rows: 
     # Rows past `rows` (bucket padding) and the scratch slot hold padding: not part of the result.
     staging = [s.name for s in info.inputs if s.role == "staging"]
     found += [compare(n, a.staging[n][:rows], b.staging[n][:rows], specs[n], tolerance) for n in staging]
-    found += [compare(n, a.caches[n][: pair.slots], b.caches[n][: pair.slots], specs[n], tolerance) for n in a.caches]
+    found += [compare(n, *live_rows(a, b, n, pair.slots), specs[n], tolerance) for n in a.caches]
+    # Both sessions hand out pages in the same order: their block tables must agree too.
+    found += [compare(f"{pool} block tables", a.pages.tables[pool], b.pages.tables[pool], None, None)
+              for pool in a.pages.tables]
     check.replays += 1
     check.buffers = len(found)
     check.differences += [f"{where}: {text}" for text in found if text]
+
+
+def live_rows(a, b, name: str, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a cache holds for the request slots: their rows, or for a paged cache the pages
+    some slot holds (free pages hold poison, which is no result)."""
+    page = a.package.buffers[name].info.page
+    if page is None or not hasattr(page, "pool"):
+        return a.caches[name][:slots], b.caches[name][:slots]
+    held = torch.tensor([p for p, refs in enumerate(a.pages.pools[page.pool].refs) if refs], dtype=torch.long)
+    return a.caches[name][held], b.caches[name][held]
 
 
 def verify_packages(a, b, seed: int = 0, trials: int = 1, tolerance: Tolerance | None = None) -> list[Check]:

@@ -8,8 +8,12 @@ positions), the index keys (V4 CSA, V4.1 Full) and the compressor's state ring o
 overlaps; V4.1's ratio-1 layers need none). Reindex and Reuse layers own only their
 window. The drafter adds its own caches.
 
-Persistent caches are per slot ("slots" symbol, last slot is the session's scratch slot);
-staging and per-pass inputs and outputs are per pass row ("rows" symbol). Verify staging
+Compressed entries and index keys are paged: [pool, page_bytes] caches whose pages the
+caller owns, one pool and block table per kind (`tokens_per_page` from the recipe), so
+their memory follows the tokens requests hold. Rings (window, compressor state) stay per
+slot ("slots" symbol, last slot is the session's scratch slot): `history` rows per slot,
+whatever `max_seq_len` is, so paging them would not make memory follow tokens. Staging
+and per-pass inputs and outputs are per pass row ("rows" symbol). Verify staging
 is read again by commit, so staging names are shared between passes. Names are labels
 for binding: what a buffer is travels as its info, which the manifest records as data.
 """
@@ -22,7 +26,8 @@ from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.weights import weight_specs as weight_shapes_dtypes
 from b12x_toolchain.runtime.package.abi import BufferSpec
-from b12x_toolchain.runtime.package.contract import BufferInfo, PageSpec
+from b12x_toolchain.runtime.package.contract import BufferInfo, CachePages, PageSpec
+from b12x_toolchain.runtime.package.kinds import KINDS, block_table_kind
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.formats.layout import staging_shape
 
@@ -73,9 +78,32 @@ def owned_caches(d: Dims, i: int) -> list[Owned]:
     return out
 
 
+def page_tokens(d: Dims, kind: str) -> int:
+    return {"compressed_entries": d.entry_page_tokens, "index_keys": d.index_page_tokens}[kind]
+
+
+def cache_pages(d: Dims, kind: str, fmt: str, dims: int, ratio: int) -> CachePages:
+    tokens, record = page_tokens(d, kind), get_format(fmt).row_bytes(dims)
+    return CachePages(KINDS[kind].pool, ratio, tokens, tokens // ratio, record, tokens // ratio * record, record,
+                      -(-d.max_seq_len // tokens))
+
+
+def paged_cache(d: Dims, name: str, c: Owned, layer: int) -> BufferSpec:
+    pages = cache_pages(d, c.kind, c.fmt, c.dims, c.ratio)
+    info = BufferInfo(c.kind, layer, None, c.fmt, c.dims, c.ratio, page=pages)
+    return BufferSpec(name, "cache", "uint8", (pages.pool, pages.page_bytes), info)
+
+
 def cache(name: str, kind: str, rows: int, fmt: str, dims: int, *, layer=None, stage=None, ratio: int = 1) -> BufferSpec:
+    """A per-slot cache: `rows` rows per slot."""
     info = BufferInfo(kind, layer, stage, fmt, dims, ratio, rows)
     return BufferSpec(name, "cache", "uint8", ("slots", rows, get_format(fmt).row_bytes(dims)), info)
+
+
+def block_tables(caches) -> list[BufferSpec]:
+    """One block table per page pool the `caches` use: int32 [rows, pages_per_slot]."""
+    widths = {s.info.page.pool: s.info.page.pages_per_slot for s in caches if isinstance(s.info.page, CachePages)}
+    return [row_input(block_table_kind(pool), block_table_kind(pool), width) for pool, width in sorted(widths.items())]
 
 
 def staged_rows(name: str, kind: str, width: int, fmt: str, dims: int, *, layer=None, stage=None,
@@ -97,7 +125,8 @@ SEQ_LEN = BufferSpec("cache.seq_len", "cache", "int32", ("slots",), BufferInfo("
 
 
 def cache_specs(d: Dims, drafter) -> list[BufferSpec]:
-    specs = [cache(f"cache.{c.name}", c.kind, c.rows, c.fmt, c.dims, layer=i, ratio=c.ratio)
+    specs = [paged_cache(d, f"cache.{c.name}", c, i) if KINDS[c.kind].pool is not None
+             else cache(f"cache.{c.name}", c.kind, c.rows, c.fmt, c.dims, layer=i, ratio=c.ratio)
              for i in range(d.layers) for c in owned_caches(d, i)]
     return specs + drafter.cache_specs() + [SEQ_LEN]
 

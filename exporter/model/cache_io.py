@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.opset import ops
 
 STATE_FORMAT = "fp32"
@@ -24,8 +25,8 @@ class StagedIO:
     Persistent caches are only read; what commit will make persistent goes to staging.
     """
 
-    def __init__(self, d: Dims, caches: dict, staging: dict, row_ids, positions, pass_name: str):
-        self.d, self.caches, self.staging = d, caches, staging
+    def __init__(self, d: Dims, caches: dict, staging: dict, row_ids, positions, pass_name: str, block_tables):
+        self.d, self.caches, self.staging, self.block_tables = d, caches, staging, block_tables
         self.row_ids, self.positions, self.pass_name = row_ids, positions, pass_name
 
     def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,7 @@ class StagedIO:
         ops.stage_rows(self.staging[f"staging.{self.pass_name}.{name}"], rows, STATE_FORMAT)
         return prev
 
-    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str) -> torch.Tensor:
+    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str, block_table) -> torch.Tensor:
         stage = self.staging[f"staging.{self.pass_name}.{name}"]
         ops.stage_rows(stage, entries, fmt)
         return ops.read_rows(stage, entries.shape[-1], fmt)[:, : entries.shape[1]]
@@ -55,8 +56,8 @@ class StagedIO:
 class DirectIO:
     """Prefill: read history from the persistent caches, then write the valid rows there."""
 
-    def __init__(self, d: Dims, caches: dict, row_ids, positions, lengths):
-        self.d, self.caches = d, caches
+    def __init__(self, d: Dims, caches: dict, row_ids, positions, lengths, block_tables):
+        self.d, self.caches, self.block_tables = d, caches, block_tables
         self.row_ids, self.positions = row_ids, positions
         self.offsets = torch.arange(d.prefill_chunk, device=positions.device)
         self.pos = positions.long()[:, None] + self.offsets
@@ -78,9 +79,11 @@ class DirectIO:
         ops.write_rows(cache, rows, self.row_ids, self.pos % span, keep, STATE_FORMAT)
         return prev
 
-    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str) -> torch.Tensor:
+    def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str, block_table) -> torch.Tensor:
+        cache = self.caches[f"cache.{name}"]
         closes = ((self.pos + 1) % ratio == 0) & self.valid
-        ops.write_rows(self.caches[f"cache.{name}"], entries, self.row_ids, self.pos // ratio, closes, fmt)
+        per_page = cache.shape[1] // get_format(fmt).row_bytes(entries.shape[-1])
+        ops.write_slots(cache, entries, slot_mapping(block_table, self.pos // ratio, closes, per_page), fmt)
         return ops.round_trip(entries, fmt)
 
     def rows(self, stage: str, cache: str, rows: torch.Tensor, fmt: str, last_only: bool) -> None:
@@ -91,6 +94,14 @@ class DirectIO:
                            self.valid & (self.pos == self.end[:, None] - 1), fmt)
         else:
             ops.write_rows(buffer, rows, self.row_ids, self.pos % buffer.shape[1], self.valid, fmt)
+
+
+def slot_mapping(block_table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, per_page: int) -> torch.Tensor:
+    """[R, T] entry slot (page * per_page + record) of each entry id through its row's block
+    table; -1 (write_slots skips it) where not valid or where the row has no page there."""
+    column = (ids // per_page).clamp(0, block_table.shape[1] - 1)
+    page = block_table.long().gather(1, column)
+    return torch.where(valid & (page >= 0), page * per_page + ids % per_page, -1)
 
 
 def _before(positions: torch.Tensor, count: int) -> torch.Tensor:

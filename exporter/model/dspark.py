@@ -40,7 +40,7 @@ class DSparkDrafter(DraftStages):
     def draft(self, w, caches, staging, inputs):
         d, c = self.d, self.c
         row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
-        io = StagedIO(d, caches, staging, row_ids, positions, "draft")
+        io = StagedIO(d, caches, staging, row_ids, positions, "draft", {})
         pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
         main, _ = c.angles(pos)
         x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])

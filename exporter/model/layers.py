@@ -20,6 +20,9 @@ from b12x_toolchain.exporter.model.blocks import (grouped_out, hc_head, hc_merge
                                                   rope_angles, unit_rms_norm)
 from b12x_toolchain.exporter.model.cache_io import _before
 from b12x_toolchain.runtime.ops.opset import ops
+from b12x_toolchain.runtime.package.kinds import KINDS
+
+ENTRY_POOL, INDEX_POOL = KINDS["compressed_entries"].pool, KINDS["index_keys"].pool
 
 
 class Shared:
@@ -35,7 +38,7 @@ class Entries:
 
     cache: torch.Tensor
     new: torch.Tensor
-    row_ids: torch.Tensor
+    block_table: torch.Tensor
     positions: torch.Tensor
     indices: Optional[torch.Tensor]
     ratio: int
@@ -85,11 +88,11 @@ class DeepSeekCompute(torch.nn.Module):
         if block_from is not None:
             ordered = ordered | (torch.arange(keys.shape[1], device=pos.device) >= block_from)[None, None, :]
         visible = (kp > qp - d.window) & (kp >= min_pos) & ordered
-        if compressed is None:  # window only; row ids and positions are not read without entries
+        if compressed is None:  # window only; the block table and positions are not read without entries
             out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], None, None, pos[:, 0], pos[:, 0], None, 1, "fp32")
         else:
             e = compressed(x, q_res)
-            out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], e.cache, e.new, e.row_ids, e.positions,
+            out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], e.cache, e.new, e.block_table, e.positions,
                                        e.indices, e.ratio, e.fmt)
         out = rope(out, cos[:, :, None], -sin[:, :, None])  # K = V carried RoPE into the output
         streams = hc_merge(post, comb, grouped_out(w, a, out.flatten(2), d.o_groups), streams)
@@ -121,9 +124,9 @@ class DeepSeekCompute(torch.nn.Module):
         pooled = pool(torch.cat([prev, rows], dim=1), positions, ratio, width, bias, overlap)
         return rms_norm(pooled, w[c + "kv_norm.weight"], d.eps)
 
-    def entries(self, io, caches, name, values, ratio, fmt):
+    def entries(self, io, caches, name, values, ratio, fmt, pool):
         """Write (prefill) or stage (verify) this pass's entries: (stored cache, this pass's as read back)."""
-        return caches[f"cache.{name}"], io.entries(name, values, ratio, fmt)
+        return caches[f"cache.{name}"], io.entries(name, values, ratio, fmt, io.block_tables[pool])
 
     def compressed_keys(self, w, i, io, caches, row_ids, pos, shared, compress):
         """attach(x, q_res) -> Entries layer i attends to, by kind and role."""
@@ -137,7 +140,7 @@ class DeepSeekCompute(torch.nn.Module):
             if role == "full":
                 latent = self.pooled(w, c, f"layer{i}.state", ratio, d.head_dim, kind, x, pos, io)
                 shared.keys[i] = self.entries(io, caches, f"layer{i}.compressed", rope(latent, *start), ratio,
-                                              d.compressed_format)
+                                              d.compressed_format, ENTRY_POOL)
                 if kind == "csa":  # V4: the indexer pools its own keys
                     pooled = self.pooled(w, c + "indexer.", f"layer{i}.index_state", ratio, d.index_head_dim, kind, x,
                                          pos, io)
@@ -149,16 +152,18 @@ class DeepSeekCompute(torch.nn.Module):
                 else:
                     index_keys = None
                 if index_keys is not None:
-                    shared.index_keys[i] = self.entries(io, caches, f"layer{i}.index", index_keys, ratio, d.index_format)
+                    shared.index_keys[i] = self.entries(io, caches, f"layer{i}.index", index_keys, ratio, d.index_format,
+                                                        INDEX_POOL)
             if (d.v4 and kind == "csa") or (not d.v4 and role in ("full", "reindex")):
-                shared.chosen[i] = self.indexer(w, c + "indexer.", i, source, x, q_res, pos, row_ids, shared, compress,
-                                                ratio)
+                shared.chosen[i] = self.indexer(w, c + "indexer.", i, source, x, q_res, pos, io.block_tables[INDEX_POOL],
+                                                shared, compress, ratio)
             chooser = i if d.v4 else d.index_source[i]
             cache, new = shared.keys[source]
-            return Entries(cache, new, row_ids, pos[:, 0], shared.chosen.get(chooser), ratio, d.compressed_format)
+            return Entries(cache, new, io.block_tables[ENTRY_POOL], pos[:, 0], shared.chosen.get(chooser), ratio,
+                           d.compressed_format)
         return attach
 
-    def indexer(self, w, c, layer, source, x, q_res, pos, row_ids, shared, compress, ratio):
+    def indexer(self, w, c, layer, source, x, q_res, pos, block_table, shared, compress, ratio):
         """The lightning indexer's choice: ids of the top-k entries by its score, [R, T, topk].
 
         The candidate source layer also picks the hierarchical candidate blocks that later
@@ -171,7 +176,7 @@ class DeepSeekCompute(torch.nn.Module):
         q = rope(q, cos[:, :, None], sin[:, :, None])
         head_weights = F.linear(x, w[c + "scorer.weights_proj.weight"]) * d.index_heads ** -0.5
         index_cache, new_keys = shared.index_keys[source]
-        keys = (q, head_weights, index_cache, new_keys, row_ids, pos[:, 0])
+        keys = (q, head_weights, index_cache, new_keys, block_table, pos[:, 0])
         candidates = shared.candidates.get(source) if layer > d.candidate_source else None
         if layer == d.candidate_source:
             shared.candidates[source] = ops.candidate_blocks(*keys, ratio, d.candidate_block_size, d.candidate_blocks,

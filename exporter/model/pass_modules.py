@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model import buffers
-from b12x_toolchain.exporter.model.cache_io import DirectIO, StagedIO
+from b12x_toolchain.exporter.model.cache_io import DirectIO, StagedIO, slot_mapping
 from b12x_toolchain.exporter.model.dspark import DSparkDrafter
 from b12x_toolchain.exporter.model.layers import DeepSeekCompute, Shared
 from b12x_toolchain.exporter.model.mtp import MtpDrafter
 from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.package.kinds import KINDS, kinds_for
 from b12x_toolchain.runtime.ops.opset import ops
 
 
@@ -51,8 +52,10 @@ class DeepSeekPass(DeepSeekCompute):
         key_pos = torch.cat([pos[:, :1] + torch.arange(-history, 0, device=pos.device), pos], dim=1)
         return io.window(owner, kv), key_pos
 
-    def base_inputs(self):
-        return [buffers.row_input("row_ids", "slot_ids"), buffers.row_input("positions", "positions")]
+    def base_inputs(self, caches):
+        """Slot ids, positions, and a block table per page pool of the paged caches the pass binds."""
+        return [buffers.row_input("row_ids", "slot_ids"), buffers.row_input("positions", "positions")] \
+            + buffers.block_tables(caches)
 
     def width(self) -> int:
         return self.d.verify_width
@@ -76,12 +79,12 @@ class PrefillPass(DeepSeekPass):
     def convention(self):
         d = self.d
         inputs = (self.weights() + self.caches() + [buffers.row_input("tokens", "token_ids", d.prefill_chunk)]
-                  + self.base_inputs() + [buffers.row_input("lengths", "new_tokens")])
+                  + self.base_inputs(self.caches()) + [buffers.row_input("lengths", "new_tokens")])
         return inputs, [_logits(d, d.prefill_chunk)]
 
     def forward(self, weights, caches, staging, inputs):
         row_ids, positions, lengths, tokens = inputs["row_ids"], inputs["positions"], inputs["lengths"], inputs["tokens"]
-        io = DirectIO(self.d, caches, row_ids, positions, lengths)
+        io = DirectIO(self.d, caches, row_ids, positions, lengths, _block_tables(inputs))
         logits, streams, taps = self.target(weights, io, caches, tokens, io.pos, row_ids)
         self.drafter.context(weights, io, caches, row_ids, tokens, io.pos, streams, taps)
         ops.set_seq_len(caches["cache.seq_len"], row_ids, positions + lengths)
@@ -96,12 +99,12 @@ class VerifyPass(DeepSeekPass):
     def convention(self):
         d = self.d
         inputs = (self.weights() + self.caches() + buffers.verify_staging_specs(d, self.drafter)
-                  + [buffers.row_input("tokens", "token_ids", d.verify_width)] + self.base_inputs())
+                  + [buffers.row_input("tokens", "token_ids", d.verify_width)] + self.base_inputs(self.caches()))
         return inputs, [_logits(d, d.verify_width)]
 
     def forward(self, weights, caches, staging, inputs):
         row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
-        io = StagedIO(self.d, caches, staging, row_ids, positions, "verify")
+        io = StagedIO(self.d, caches, staging, row_ids, positions, "verify", _block_tables(inputs))
         pos = _positions(positions, self.d.verify_width)
         logits, streams, taps = self.target(weights, io, caches, tokens, pos, row_ids)
         self.drafter.context(weights, io, caches, row_ids, tokens, pos, streams, taps)
@@ -117,7 +120,7 @@ class DraftPass(DeepSeekPass):
     def convention(self):
         d = self.d
         inputs = (self.weights() + self.drafter.cache_specs() + self.drafter.draft_staging_specs()
-                  + [buffers.row_input("tokens", "token_ids", d.draft_width)] + self.base_inputs())
+                  + [buffers.row_input("tokens", "token_ids", d.draft_width)] + self.base_inputs(self.drafter.cache_specs()))
         return inputs, [_logits(d, d.draft_width)] + self.drafter.outputs()
 
     def forward(self, weights, caches, staging, inputs):
@@ -133,7 +136,7 @@ class CommitPass(DeepSeekPass):
 
     def convention(self):
         inputs = (self.caches() + buffers.verify_staging_specs(self.d, self.drafter)
-                  + self.base_inputs() + [buffers.row_input("accept_len", "accepted_tokens")])
+                  + self.base_inputs(self.caches()) + [buffers.row_input("accept_len", "accepted_tokens")])
         return inputs, [BufferSpec("next_positions", "output", "int32", ("rows",))]
 
     def forward(self, weights, caches, staging, inputs):
@@ -143,19 +146,27 @@ class CommitPass(DeepSeekPass):
         pos = _positions(positions, width)
         accepted = torch.arange(width, device=pos.device)[None, :] < accept_len.long()[:, None]
         end = (positions.long() + accept_len.long())[:, None]
+        tables = _block_tables(inputs)
         for i, ratio in enumerate(d.ratios):
             for c in buffers.owned_caches(d, i):
                 cache, stage = caches[f"cache.{c.name}"], staging[f"staging.verify.{c.name}"]
                 if c.kind == "window_ring":
                     ops.window_commit(cache, stage, row_ids, positions, accept_len, d.history, width)
                 elif c.kind in ("compressed_entries", "index_keys"):  # persistent once its group closes
-                    ops.write_rows(cache, stage, row_ids, pos // ratio, accepted & ((pos + 1) % ratio == 0), "bytes")
+                    slots = slot_mapping(tables[KINDS[c.kind].pool], pos // ratio, accepted & ((pos + 1) % ratio == 0),
+                                         cache.shape[1] // c.row_bytes)
+                    ops.write_slots(cache, stage, slots, "bytes")
                 else:  # state: the last span - 1 committed rows are all a later group can read
                     ops.write_rows(cache, stage, row_ids, pos % c.rows, accepted & (pos > end - c.rows), "bytes")
         self.drafter.commit(caches, staging, row_ids, pos, accepted, end)
         next_positions = (positions + accept_len).to(torch.int32)
         ops.set_seq_len(caches["cache.seq_len"], row_ids, next_positions)
         return {"next_positions": next_positions}
+
+
+def _block_tables(inputs) -> dict:
+    """The pass's block tables by page pool."""
+    return {KINDS[kind].pool: inputs[kind] for kind in kinds_for("input") if KINDS[kind].pool and kind in inputs}
 
 
 def _positions(positions, width):

@@ -2,8 +2,8 @@
 
 The mutated caches and staging stay plain user inputs (custom ops keep their in-place
 form before decomposition), so the graph's calling convention is exactly the buffer
-list of the pass. "rows" and "slots" are dynamic dimensions: one graph serves every rows
-bucket and every session size.
+list of the pass. "rows", "slots" and each page pool's page count are dynamic dimensions:
+one graph serves every rows bucket, every session size and every page budget.
 
 Weights may be fake tensors (structural export): the example buffers are then made in
 the same fake mode, so nothing of full size is ever allocated. Stack traces are not
@@ -22,13 +22,16 @@ from torch.export import Dim
 
 from b12x_toolchain.exporter.model.pass_modules import PassModule
 from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.package.kinds import POOLS
 
-EXAMPLE_SIZES = {"rows": 2, "slots": 3}  # not 0 or 1, so export does not specialise them
+# Not 0 or 1, so export does not specialise them.
+EXAMPLE_SIZES = {"rows": 2, "slots": 3, **{pool: 3 for pool in POOLS}}
 GROUPS = ("weight", "cache", "staging", "input")
 
 
 def _dims() -> dict:
-    return {"rows": Dim("rows", min=1, max=1 << 16), "slots": Dim("slots", min=2, max=1 << 20)}
+    pools = {pool: Dim(pool, min=1, max=1 << 30) for pool in POOLS}
+    return {"rows": Dim("rows", min=1, max=1 << 16), "slots": Dim("slots", min=2, max=1 << 20), **pools}
 
 
 def example_tensor(spec: BufferSpec, device) -> torch.Tensor:

@@ -47,6 +47,8 @@ class Dims:
     index_format: str
     layout: str
     page_size: int
+    entry_page_tokens: int  # tokens per page of the paged caches: compressed entries
+    index_page_tokens: int  # and index keys
     prefill_chunk: int
     verify_width: int
     draft_width: int
@@ -87,6 +89,7 @@ class Dims:
             yarn=None if y is None else (y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow),
             window_format=c.window_format, compressed_format=c.compressed_format, state_format=c.state_format,
             index_format=c.index_format, layout=c.staging.layout, page_size=c.staging.page_size,
+            entry_page_tokens=c.pages.compressed_entries, index_page_tokens=c.pages.index_keys,
             prefill_chunk=p.prefill.chunk, verify_width=p.verify.width, draft_width=p.draft.width,
             q_lora_rank=m.q_lora_rank, o_groups=m.o_groups, o_lora_rank=m.o_lora_rank,
             index_heads=m.indexer.heads, index_head_dim=m.indexer.head_dim, index_topk=m.indexer.topk,

@@ -55,6 +55,14 @@ class StagingSpec(_Spec):
     page_size: Annotated[PosInt, _check(lambda v: v & (v - 1) == 0, "a power of two")]
 
 
+class PagesSpec(_Spec):
+    """Tokens per page of each paged cache kind. A page holds tokens_per_page / ratio
+    entries of every layer owning that kind; all layers share one block table per kind."""
+
+    compressed_entries: PosInt = 256
+    index_keys: PosInt = 256
+
+
 class CacheSpec(_Spec):
     history: PosInt
     window_format: Literal["mxfp8", "bf16", "fp32"]
@@ -62,6 +70,7 @@ class CacheSpec(_Spec):
     state_format: Literal["fp32"]
     index_format: Literal["mxfp4", "mxfp8", "bf16", "fp32"] = "fp32"  # indexer keys
     staging: StagingSpec
+    pages: PagesSpec = PagesSpec()
 
 
 class PrefillPass(_Spec):
@@ -137,12 +146,26 @@ class Recipe(_Spec):
         if self.passes.prefill.chunk > self.cache.history:
             raise _problem(f"{self.passes.prefill.chunk} is larger than cache.history = {self.cache.history}",
                            ("passes", "prefill", "chunk"))
+        self._check_pages()
         for i, rewrite in enumerate(self.rewrites):
             if any(r.name == rewrite.name for r in self.rewrites[:i]):
                 raise _problem(f"rewrite {rewrite.name!r} is listed twice", ("rewrites", i, "name"))
             if rewrite.name == "fuse_window_snapshot":
                 self._check_window_fusion(i, rewrite)
         return self
+
+    def _check_pages(self) -> None:
+        """A page holds whole entries of every compressed layer, and no more than a slot's tokens."""
+        ratios = sorted(set(self.model.target_ratios) - {0})
+        for kind in PagesSpec.model_fields:
+            tokens = getattr(self.cache.pages, kind)
+            for ratio in ratios:
+                if tokens % ratio:
+                    raise _problem(f"{tokens} tokens per page is not a multiple of compress ratio {ratio}; "
+                                   "a page must hold whole entries", ("cache", "pages", kind))
+            if tokens > self.model.max_seq_len:
+                raise _problem(f"{tokens} tokens per page is more than model.max_seq_len = {self.model.max_seq_len}",
+                               ("cache", "pages", kind))
 
     def _check_window_fusion(self, index: int, rewrite: RewriteSpec) -> None:
         """Refuse at the recipe's own line what export would refuse after minutes of capture."""

@@ -1,4 +1,4 @@
-"""CUDA implementations of op set v2, registered for the CUDA dispatch key.
+"""CUDA implementations of op set v3, registered for the CUDA dispatch key.
 
 `ops.py` imports this module only when CUDA is available, and the registrations apply
 only to CUDA tensors: CPU tensors keep dispatching to the torch references. Which backend
@@ -44,6 +44,7 @@ KERNELS = {
     "window_commit": triton_window.window_commit,
     "window_read": triton_rows.window_read,
     "write_rows": triton_rows.write_rows,
+    "write_slots": triton_rows.write_slots,
     "gather_rows": triton_rows.gather_rows,
     "stage_rows": triton_rows.stage_rows,
     "read_rows": triton_rows.read_rows,
@@ -58,9 +59,9 @@ _registered = False
 
 
 def backend_for(op_name: str, device_type: str) -> str:
-    """Which implementation serves an op of op set v2 for tensors on this device type."""
+    """Which implementation serves an op of op set v3 for tensors on this device type."""
     if op_name not in KERNELS and op_name not in REFERENCE_ON_CUDA:
-        raise ValueError(f"{op_name!r} is not an op of op set v2")
+        raise ValueError(f"{op_name!r} is not an op of op set v3")
     if device_type == "cuda" and op_name in KERNELS:
         return "triton"
     return "reference"

@@ -1,4 +1,4 @@
-"""Op set v2 (namespace `b12x_toolchain`): every op that reads or writes a cache.
+"""Op set v3 (namespace `b12x_toolchain`): every op that reads or writes a cache.
 
 Each op is a `torch.library` custom op whose schema declares what it mutates, with a
 plain-torch reference implementation (used on CPU, and on any device until a kernel is
@@ -9,6 +9,11 @@ so a replay does no host work beyond the copies themselves.
 Window rows live in a ring addressed by absolute position (`pos % capacity`). Verify and
 draft build a staging buffer per layer: `history` rows snapshotted from the ring, then
 the rows the pass computed. Commit copies accepted staging rows back into the ring.
+
+Compressed entries and index keys live in pages [pages, page_bytes] that the caller owns;
+a pass addresses them through per-row block tables, reads in the sparse ops and writes
+through `write_slots`, whose slot mapping names the entry slot (page * entries_per_page +
+record) of every row to write, -1 for none.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION  # noqa: F401 (re-exported)
 from b12x_toolchain.runtime.formats.layout import history_offsets, ring_index, token_view
+from b12x_toolchain.runtime.ops.sparse_ops import page_view
 
 RAW_BYTES = "bytes"  # write_rows format for rows that are already encoded
 
@@ -98,6 +104,20 @@ def write_rows(
     cache[slots[valid], index.long()[valid]] = _encode(values[valid], fmt)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::write_slots", mutates_args=("cache",))
+def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
+    """Paged cache [pages, page_bytes]: entry slot slot_mapping[r, t] = encode(values[r, t]), where >= 0.
+
+    A slot s is record s % entries_per_page of page s // entries_per_page. Callers
+    guarantee the slots written are unique. fmt "bytes" copies already-encoded records.
+    """
+    record_bytes = values.shape[-1] if fmt == RAW_BYTES else get_format(fmt).row_bytes(values.shape[-1])
+    pages = page_view(cache, record_bytes)
+    keep = slot_mapping >= 0
+    slots = slot_mapping.long()[keep]
+    pages[slots // pages.shape[1], slots % pages.shape[1]] = _encode(values[keep], fmt)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::gather_rows", mutates_args=())
 def gather_rows(
     cache: torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor, dim: int, fmt: str,
@@ -131,7 +151,7 @@ def set_seq_len(seq_len: torch.Tensor, row_ids: torch.Tensor, values: torch.Tens
 
 # ---------------------------------------------------------------- fake implementations
 
-for _op in (window_snapshot, cache_append, window_snapshot_append, window_commit, write_rows,
+for _op in (window_snapshot, cache_append, window_snapshot_append, window_commit, write_rows, write_slots,
             stage_rows, set_seq_len):
     _op.register_fake(lambda *args, **kwargs: None)
 
@@ -156,7 +176,7 @@ def _(values, fmt):
     return torch.empty_like(values, dtype=torch.float32)
 
 
-from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers op set v2's sparse ops)
+from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers op set v3's sparse ops)
 
 ops = getattr(torch.ops, NAMESPACE)
 """The registered namespace: modules that call the ops import this name, which guarantees
@@ -165,10 +185,10 @@ the registration above has run before any graph is built or loaded."""
 OPS = {
     name: getattr(ops, name).default
     for name in ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
-                 "window_commit", "write_rows", "gather_rows", "stage_rows", "read_rows",
+                 "window_commit", "write_rows", "write_slots", "gather_rows", "stage_rows", "read_rows",
                  "round_trip", "set_seq_len") + SPARSE_OPS
 }
-"""Every op of op set v2 by name; a graph using anything else in the namespace is refused."""
+"""Every op of op set v3 by name; a graph using anything else in the namespace is refused."""
 
 # Only where CUDA exists, and only for CUDA tensors: the CPU path never imports Triton.
 CUDA_KERNELS = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None

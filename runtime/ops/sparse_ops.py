@@ -1,8 +1,10 @@
-"""Op set v2's context-proportional ops: the indexer's choice and sparse attention.
+"""Op set v3's context-proportional ops: the indexer's choice and sparse attention.
 
 A compressed layer's entries are addressed by absolute entry id `j` (the group of
 positions `j * ratio .. (j + 1) * ratio - 1`). For a pass starting at `positions[r]`,
-ids below `committed = positions[r] // ratio` are stored in the slot's cache; the pass
+ids below `committed = positions[r] // ratio` are stored in the row's pages of a paged
+cache [pages, page_bytes]: entry j in page `block_table[r, j // entries_per_page]`, at
+record `j % entries_per_page` (entries per page = page_bytes // record bytes). The pass
 creates the others itself, entry `j` at pass row `t = (j + 1) * ratio - 1 - positions[r]`
 (the row whose position closes the group), and a query at position `p` may see every id
 below `(p + 1) // ratio`. Every op here reads only those live entries — what the lengths
@@ -36,34 +38,55 @@ def visible_below(positions: torch.Tensor, width: int, ratio: int) -> torch.Tens
     return (positions.long()[:, None] + torch.arange(width, device=positions.device) + 1) // ratio
 
 
-def entry_rows(cache, new, row_ids, positions, ids, ratio: int, dim: int, fmt: str) -> torch.Tensor:
+def page_view(cache: torch.Tensor, record_bytes: int) -> torch.Tensor:
+    """A paged cache [pages, page_bytes] as [pages, entries_per_page, record_bytes]."""
+    return cache.view(cache.shape[0], cache.shape[1] // record_bytes, record_bytes)
+
+
+def stored_records(cache, block_table, rows, ids, record_bytes: int) -> torch.Tensor:
+    """The encoded records of entry ids (stored ones) of pass rows `rows`, through the block table.
+
+    Entry j of a row lives in page block_table[row, j // entries_per_page], at record
+    j % entries_per_page of that page.
+    """
+    pages = page_view(cache, record_bytes)
+    per_page = pages.shape[1]
+    return pages[block_table.long()[rows, ids // per_page], ids % per_page]
+
+
+def entry_rows(cache, new, block_table, positions, ids, ratio: int, dim: int, fmt: str) -> torch.Tensor:
     """Decoded entries [*ids.shape, dim] for ids [R, ...]; zeros where an id is -1.
 
-    Stored ids are read from the cache (only those, decoded once each per occurrence);
-    this pass's come from `new` [R, T, dim], already as a later read returns them.
+    Stored ids are read from the paged cache (only those, decoded once each per
+    occurrence); this pass's come from `new` [R, T, dim], already as a later read returns them.
     """
     R = ids.shape[0]
     flat = ids.reshape(R, -1).long()
     committed = positions.long()[:, None] // ratio
     stored, fresh = (flat >= 0) & (flat < committed), flat >= committed
     out = torch.zeros(R, flat.shape[1], dim, dtype=torch.float32, device=new.device)
-    slots = row_ids.long()[:, None].expand_as(flat)
+    rows = torch.arange(R, device=flat.device)[:, None].expand_as(flat)
+    codec = get_format(fmt)
     if bool(stored.any()):
-        out[stored] = get_format(fmt).decode(cache[slots[stored], flat[stored]], dim)
+        records = stored_records(cache, block_table, rows[stored], flat[stored], codec.row_bytes(dim))
+        out[stored] = codec.decode(records, dim)
     if bool(fresh.any()):
         pass_row = (flat + 1) * ratio - 1 - positions.long()[:, None]
-        rows = torch.arange(R, device=flat.device)[:, None].expand_as(flat)
         out[fresh] = new[rows[fresh], pass_row[fresh]].float()
     return out.view(*ids.shape, dim)
 
 
-def _row_scores(q, head_weights, index_cache, new_keys, row_ids, positions, r: int, ratio: int, fmt: str):
+def _row_scores(q, head_weights, index_cache, new_keys, block_table, positions, r: int, ratio: int, fmt: str):
     """(ids [n], score [T, n]) over row r's live entries; -inf where a query may not see one."""
     T, dim = q.shape[1], q.shape[-1]
     committed = int(positions[r]) // ratio
     closing = closing_ids(positions[r : r + 1], T, ratio)[0]
     fresh_rows = (closing >= 0).nonzero().flatten()
-    stored = get_format(fmt).decode(index_cache[int(row_ids[r]), :committed], dim)
+    codec = get_format(fmt)
+    pages = page_view(index_cache, codec.row_bytes(dim))
+    used = -(-committed // pages.shape[1])
+    records = pages[block_table[r, :used].long()].flatten(0, 1)[:committed]
+    stored = codec.decode(records, dim)
     keys = torch.cat([stored, new_keys[r, fresh_rows].float()], dim=0)
     ids = torch.cat([torch.arange(committed, device=keys.device), closing[fresh_rows]])
     # Same order of operations as the dense indexer: ReLU per head, scale, weight, sum.
@@ -98,13 +121,14 @@ def _top_ids(score: torch.Tensor, ids: torch.Tensor, k: int, out: torch.Tensor) 
 @torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
 def indexer_topk(
     q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, new_keys: torch.Tensor,
-    row_ids: torch.Tensor, positions: torch.Tensor, candidates: Optional[torch.Tensor], ratio: int,
+    block_table: torch.Tensor, positions: torch.Tensor, candidates: Optional[torch.Tensor], ratio: int,
     block_size: int, topk: int, fmt: str,
 ) -> torch.Tensor:
     """The lightning indexer's top-k: int32 [R, T, topk] entry ids.
 
     q [R, T, H, D] index queries (RoPE applied), head_weights [R, T, H], index_cache the
-    source layer's stored index keys, new_keys [R, T, D] this pass's. Score of entry j:
+    source layer's paged index keys [pages, page_bytes] with each row's block_table
+    [R, pages_per_slot], new_keys [R, T, D] this pass's. Score of entry j:
     sum_h relu(q_h . k_j) / sqrt(D) * w_h over the entries the query may see; where
     `candidates` [R, T, C] (block ids, -1 padded) is given, only entries whose block
     `j // block_size` is among them.
@@ -112,7 +136,7 @@ def indexer_topk(
     R, T = q.shape[:2]
     out = torch.empty(R, T, topk, dtype=torch.int32, device=q.device)
     for r in range(R):
-        ids, score = _row_scores(q, head_weights, index_cache, new_keys, row_ids, positions, r, ratio, fmt)
+        ids, score = _row_scores(q, head_weights, index_cache, new_keys, block_table, positions, r, ratio, fmt)
         if candidates is not None:
             block = (ids // block_size)[None, :, None]
             allowed = (block == candidates[r].long()[:, None, :]).any(dim=-1)
@@ -124,7 +148,7 @@ def indexer_topk(
 @torch.library.custom_op(f"{NAMESPACE}::candidate_blocks", mutates_args=())
 def candidate_blocks(
     q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, new_keys: torch.Tensor,
-    row_ids: torch.Tensor, positions: torch.Tensor, ratio: int, block_size: int, blocks: int, fmt: str,
+    block_table: torch.Tensor, positions: torch.Tensor, ratio: int, block_size: int, blocks: int, fmt: str,
 ) -> torch.Tensor:
     """Hierarchical candidates: int32 [R, T, blocks + 1] block ids.
 
@@ -136,7 +160,7 @@ def candidate_blocks(
     out = torch.empty(R, T, blocks + 1, dtype=torch.int32, device=q.device)
     newest = (visible_below(positions, T, ratio) - 1).clamp(min=0) // block_size
     for r in range(R):
-        ids, score = _row_scores(q, head_weights, index_cache, new_keys, row_ids, positions, r, ratio, fmt)
+        ids, score = _row_scores(q, head_weights, index_cache, new_keys, block_table, positions, r, ratio, fmt)
         block = ids // block_size
         count = int(block.max()) + 1 if block.numel() else 0
         best = torch.full((T, count), NEG_INF, device=q.device).scatter_reduce(
@@ -149,7 +173,7 @@ def candidate_blocks(
 @torch.library.custom_op(f"{NAMESPACE}::sparse_attention", mutates_args=())
 def sparse_attention(
     q: torch.Tensor, window: torch.Tensor, window_visible: torch.Tensor, sinks: torch.Tensor,
-    entry_cache: Optional[torch.Tensor], new_entries: Optional[torch.Tensor], row_ids: torch.Tensor,
+    entry_cache: Optional[torch.Tensor], new_entries: Optional[torch.Tensor], block_table: torch.Tensor,
     positions: torch.Tensor, indices: Optional[torch.Tensor], ratio: int, fmt: str,
 ) -> torch.Tensor:
     """Latent MQA (K = V) with a sink: q [R, T, H, D] -> [R, T, H, D] fp32.
@@ -168,14 +192,14 @@ def sparse_attention(
     entries = None
     if entry_cache is not None:
         if indices is not None:
-            entries = entry_rows(entry_cache, new_entries, row_ids, positions, indices, ratio, D, fmt)  # [R,T,K,D]
+            entries = entry_rows(entry_cache, new_entries, block_table, positions, indices, ratio, D, fmt)  # [R,T,K,D]
             score = torch.einsum("rthd,rtkd->rthk", q, entries).mul(scale)
             parts.append(score.masked_fill((indices < 0)[:, :, None, :], NEG_INF))
         else:
             below = visible_below(positions, T, ratio)
             ids = torch.arange(int(below.max()), device=q.device).expand(R, -1)
             ids = torch.where(ids < below[:, -1:], ids, -1)
-            entries = entry_rows(entry_cache, new_entries, row_ids, positions, ids, ratio, D, fmt)  # [R,N,D]
+            entries = entry_rows(entry_cache, new_entries, block_table, positions, ids, ratio, D, fmt)  # [R,N,D]
             score = torch.einsum("rthd,rnd->rthn", q, entries).mul(scale)
             seen = (ids[:, None, :] >= 0) & (ids[:, None, :] < below[..., None])
             parts.append(score.masked_fill(~seen[:, :, None, :], NEG_INF))
@@ -191,17 +215,17 @@ def sparse_attention(
 
 
 @indexer_topk.register_fake
-def _(q, head_weights, index_cache, new_keys, row_ids, positions, candidates, ratio, block_size, topk, fmt):
+def _(q, head_weights, index_cache, new_keys, block_table, positions, candidates, ratio, block_size, topk, fmt):
     return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)
 
 
 @candidate_blocks.register_fake
-def _(q, head_weights, index_cache, new_keys, row_ids, positions, ratio, block_size, blocks, fmt):
+def _(q, head_weights, index_cache, new_keys, block_table, positions, ratio, block_size, blocks, fmt):
     return q.new_empty((q.shape[0], q.shape[1], blocks + 1), dtype=torch.int32)
 
 
 @sparse_attention.register_fake
-def _(q, window, window_visible, sinks, entry_cache, new_entries, row_ids, positions, indices, ratio, fmt):
+def _(q, window, window_visible, sinks, entry_cache, new_entries, block_table, positions, indices, ratio, fmt):
     return torch.empty_like(q, dtype=torch.float32)
 
 

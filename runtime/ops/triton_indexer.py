@@ -6,11 +6,12 @@ sync, so a CUDA graph captures them:
 1. (`indexer_topk` with candidates only) `_allowed_blocks`: per query, a byte map of its
    candidate blocks, cleared and set only up to the query's visible block count.
 2. `_scores`: one program per (row, tile of entry ids) decodes the tile's index keys once
-   (`entry_tile`: cache below the committed length, this pass's keys above), then for
-   every pass token scores them as the reference does: relu per head, scale, weight,
-   sum; -inf where the token may not see an entry or its block is no candidate. Tiles
-   past the row's live length exit at once: the scores buffer is sized by the capacity
-   (memory, as DeepGEMM's), the work by the lengths.
+   (`entry_tile`: the row's cache pages below the committed length, this pass's keys
+   above), then for every pass token scores them as the reference does: relu per head,
+   scale, weight, sum; -inf where the token may not see an entry or its block is no
+   candidate. Tiles past the row's live length exit at once: the scores buffer is sized
+   by the capacity a block table can address (memory, as DeepGEMM's), the work by the
+   lengths.
 3. `_select`: one program per query picks the k best of its live scores (or, with
    GROUP > 1, of the per-block maxima) by an 8-bit radix select on the float bits (one
    histogram pass per digit, the first also counting the candidates; one pass when no
@@ -29,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.ops.triton_rows import as_units, format_code
-from b12x_toolchain.runtime.ops.triton_sparse import MIN_DOT, dot_tile, entry_tile
+from b12x_toolchain.runtime.ops.triton_rows import format_code
+from b12x_toolchain.runtime.ops.triton_sparse import MIN_DOT, dot_tile, entry_tile, paged_args
 
 KEY_NONE = tl.constexpr(-2**31)  # -inf, or no entry: never chosen
 KEY_NAN = tl.constexpr(2**31 - 1)  # above +inf, as torch's sort puts NaN first
@@ -58,8 +58,8 @@ def _allowed_blocks(candidates, allowed, positions, T, C, NB_CAP,
 
 
 @triton.jit
-def _scores(q, weights, cache, new, row_ids, positions, allowed, scores,
-            T, NCAP, NB_CAP, cap, c_s, c_t, n_r, n_t, scale,
+def _scores(q, weights, cache, new, block_table, positions, allowed, scores,
+            T, NCAP, NB_CAP, c_p, c_e, per_page, t_r, cap, n_r, n_t, scale,
             H: tl.constexpr, H_P2: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
             RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMT: tl.constexpr,
             BLOCK_N: tl.constexpr, CANDIDATES: tl.constexpr):
@@ -70,9 +70,9 @@ def _scores(q, weights, cache, new, row_ids, positions, allowed, scores,
     ids = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if tl.program_id(1) * BLOCK_N < live:
         ok = ids < live
-        slot = tl.load(row_ids + r).to(tl.int64)
-        keys = entry_tile(cache, c_s, c_t, cap, new, n_r, n_t, r, slot, ids, ok, pos // RATIO, pos, T,
-                          RATIO, FMT, DIM, DIM_P2, BLOCK_N)
+        table = block_table + r.to(tl.int64) * t_r  # this row's pages
+        keys = entry_tile(cache, c_p, c_e, per_page, table, cap, new, n_r, n_t, r, ids, ok, pos // RATIO,
+                          pos, T, RATIO, FMT, DIM, DIM_P2, BLOCK_N)
         h = tl.arange(0, H_P2)
         d = tl.arange(0, DIM_P2)
         for t in range(T):
@@ -179,13 +179,12 @@ def _select(scores, out, positions, T, NCAP, OUT_STRIDE, K,
         tl.store(dst + K, tl.maximum(below - 1, 0) // GROUP)
 
 
-def _score_all(q, head_weights, index_cache, new_keys, row_ids, positions, candidates, ratio, block_size, fmt):
+def _score_all(q, head_weights, index_cache, new_keys, block_table, positions, candidates, ratio, block_size, fmt):
     """The scores scratch buffer [R, T, capacity + T] (only live ids written) and its width."""
     R, T, H, D = q.shape
     code = format_code(fmt)
-    get_format(fmt).row_bytes(D)  # rejects a dim the format cannot hold, as the reference's decode
-    cache = as_units(index_cache, code)
-    cap = cache.shape[1]
+    cache, table, paged = paged_args(index_cache, block_table, code, D, fmt)
+    cap = paged[-1]  # the ids a row's block table can address
     ncap = cap + T  # committed ids (at most the capacity) plus at most T closed in the pass
     scores = torch.empty(R, T, ncap, dtype=torch.float32, device=q.device)
     q = q.to(torch.float32).contiguous()
@@ -202,8 +201,8 @@ def _score_all(q, head_weights, index_cache, new_keys, row_ids, positions, candi
     dim_p2 = max(MIN_DOT, triton.next_power_of_2(D))
     block_n = dot_tile(dim_p2)
     _scores[(R, triton.cdiv(ncap, block_n))](
-        q, weights, cache, new, row_ids, positions, allowed, scores,
-        T, ncap, nb_cap, cap, cache.stride(0), cache.stride(1), new.stride(0), new.stride(1), D ** -0.5,
+        q, weights, cache, new, table, positions, allowed, scores,
+        T, ncap, nb_cap, *paged, new.stride(0), new.stride(1), D ** -0.5,
         H=H, H_P2=max(MIN_DOT, triton.next_power_of_2(H)), DIM=D, DIM_P2=dim_p2, RATIO=ratio,
         BLOCK_SIZE=block_size, FMT=code, BLOCK_N=block_n, CANDIDATES=candidates is not None)
     return scores, ncap
@@ -218,25 +217,25 @@ def _launch_select(scores, ncap, out, positions, k, ratio, group, newest):
                     GROUP_P2=group_p2, TILE=tile, NEWEST=newest)
 
 
-def indexer_topk(q, head_weights, index_cache, new_keys, row_ids, positions, candidates, ratio: int,
+def indexer_topk(q, head_weights, index_cache, new_keys, block_table, positions, candidates, ratio: int,
                  block_size: int, topk: int, fmt: str) -> torch.Tensor:
     R, T = q.shape[:2]
     out = torch.empty(R, T, topk, dtype=torch.int32, device=q.device)
     if out.numel() == 0:
         return out
-    scores, ncap = _score_all(q, head_weights, index_cache, new_keys, row_ids, positions, candidates,
+    scores, ncap = _score_all(q, head_weights, index_cache, new_keys, block_table, positions, candidates,
                               ratio, block_size, fmt)
     _launch_select(scores, ncap, out, positions, topk, ratio, 1, newest=False)
     return out
 
 
-def candidate_blocks(q, head_weights, index_cache, new_keys, row_ids, positions, ratio: int, block_size: int,
+def candidate_blocks(q, head_weights, index_cache, new_keys, block_table, positions, ratio: int, block_size: int,
                      blocks: int, fmt: str) -> torch.Tensor:
     R, T = q.shape[:2]
     out = torch.empty(R, T, blocks + 1, dtype=torch.int32, device=q.device)
     if out.numel() == 0:
         return out
-    scores, ncap = _score_all(q, head_weights, index_cache, new_keys, row_ids, positions, None,
+    scores, ncap = _score_all(q, head_weights, index_cache, new_keys, block_table, positions, None,
                               ratio, block_size, fmt)
     _launch_select(scores, ncap, out, positions, blocks, ratio, block_size, newest=True)
     return out

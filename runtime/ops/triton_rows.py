@@ -1,5 +1,5 @@
-"""Triton kernels for the generic row ops: stage_rows, write_rows, gather_rows, read_rows,
-window_read and round_trip (each one launch), with launchers taking the ops' arguments.
+"""Triton kernels for the generic row ops: stage_rows, write_rows, write_slots, gather_rows,
+read_rows, window_read and round_trip (each one launch), with launchers taking the ops' arguments.
 
 The launchers are plain Python and run the same on CUDA tensors and, under
 TRITON_INTERPRET=1, on CPU tensors: that is how the CPU test suite checks these very
@@ -58,6 +58,17 @@ def word_view(*bufs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 @triton.jit
+def _store_tile(base, srcp, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
+    """Rows at pointers base [TOK, 1] = encode(rows at srcp [TOK, 1]) where ok [TOK, 1]."""
+    d = tl.arange(0, DIM_P2)[None, :]
+    if FMT == 4:  # RAW: already encoded rows, copied unit for unit
+        tl.store(base + d, tl.load(srcp + d, mask=ok & (d < DIM)), mask=ok & (d < DIM))
+    else:
+        x = tl.load(srcp + d, mask=ok & (d < DIM), other=0.0)
+        store_rows(base, x, ok, FMT, DIM, DIM_P2, TOK)
+
+
+@triton.jit
 def _put_rows(src, dst, row_ids, index, valid, T,
               s_r, s_t, d_s, d_t, FMT: tl.constexpr, SCATTER: tl.constexpr,
               DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
@@ -65,7 +76,6 @@ def _put_rows(src, dst, row_ids, index, valid, T,
     r = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * TOK + tl.arange(0, TOK)
     ok = t < T
-    d = tl.arange(0, DIM_P2)[None, :]
     if SCATTER:
         ok = ok & (tl.load(valid + r * T + t, mask=ok, other=0) != 0)
         slot = tl.load(row_ids + r).to(tl.int64)
@@ -73,13 +83,33 @@ def _put_rows(src, dst, row_ids, index, valid, T,
         base = dst + slot * d_s + where[:, None] * d_t
     else:
         base = dst + r * d_s + t[:, None].to(tl.int64) * d_t
-    ok = ok[:, None]
-    srcp = src + r * s_r + t[:, None].to(tl.int64) * s_t + d
-    if FMT == 4:  # RAW: already encoded rows, copied unit for unit
-        tl.store(base + d, tl.load(srcp, mask=ok & (d < DIM)), mask=ok & (d < DIM))
+    _store_tile(base, src + r * s_r + t[:, None].to(tl.int64) * s_t, ok[:, None], FMT, DIM, DIM_P2, TOK)
+
+
+@triton.jit
+def _put_slots(src, dst, slot_mapping, T, s_r, s_t, d_p, record, per_page,
+               FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
+    """Row r, tokens t of a tile: record s % per_page of page s // per_page = encode(src[r, t]),
+    s = slot_mapping[r, t] where >= 0 (d_p, record: page and record strides in dst units)."""
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * TOK + tl.arange(0, TOK)
+    slot = tl.load(slot_mapping + r * T + t, mask=t < T, other=-1).to(tl.int64)
+    ok = slot >= 0  # -1: this token writes nothing (nor does a masked lane)
+    base = dst + (slot // per_page) * d_p + (slot % per_page) * record
+    _store_tile(base[:, None], src + r * s_r + t[:, None].to(tl.int64) * s_t, ok[:, None], FMT, DIM, DIM_P2, TOK)
+
+
+def _source(dst: torch.Tensor, values: torch.Tensor, fmt: str):
+    """(format code, dst in the kernel's units, values as the kernel reads them, values per row)."""
+    if fmt == "bytes":
+        code = RAW
+        dst, src = word_view(dst, values)
     else:
-        x = tl.load(srcp, mask=ok & (d < DIM), other=0.0)
-        store_rows(base, x, ok, FMT, DIM, DIM_P2, TOK)
+        code = format_code(fmt)
+        get_format(fmt).row_bytes(values.shape[-1])  # rejects a dim the format cannot hold
+        dst, src = as_units(dst, code), values.to(torch.float32)
+    src = src if src.stride(-1) == 1 else src.contiguous()
+    return code, dst, src, src.shape[-1]
 
 
 def _put(dst: torch.Tensor, values: torch.Tensor, fmt: str, row_ids=None, index=None, valid=None) -> None:
@@ -87,16 +117,7 @@ def _put(dst: torch.Tensor, values: torch.Tensor, fmt: str, row_ids=None, index=
     R, T = values.shape[0], values.shape[1]
     if R == 0 or T == 0:
         return
-    if fmt == "bytes":
-        code = RAW
-        dst, src = word_view(dst, values)
-        dim = src.shape[-1]
-    else:
-        code = format_code(fmt)
-        get_format(fmt).row_bytes(values.shape[-1])  # rejects a dim the format cannot hold
-        dst, src = as_units(dst, code), values.to(torch.float32)
-        dim = src.shape[-1]
-    src = src if src.stride(-1) == 1 else src.contiguous()
+    code, dst, src, dim = _source(dst, values, fmt)
     dim_p2 = triton.next_power_of_2(dim)
     tok = tokens_per_tile(T, dim_p2)
     scatter = row_ids is not None
@@ -115,6 +136,22 @@ def stage_rows(staging: torch.Tensor, values: torch.Tensor, fmt: str) -> None:
 
 def write_rows(cache, values, row_ids, index, valid, fmt: str) -> None:
     _put(cache, values, fmt, row_ids, index, valid)
+
+
+def write_slots(cache, values, slot_mapping, fmt: str) -> None:
+    """Encode values [R, T, dim] into the records of a paged cache [pages, page_bytes] that
+    slot_mapping [R, T] names (-1: none); fmt "bytes" copies records [R, T, record_bytes]."""
+    R, T = values.shape[0], values.shape[1]
+    if R == 0 or T == 0:
+        return
+    code, pages, src, dim = _source(cache, values, fmt)
+    record_bytes = values.shape[-1] if fmt == "bytes" else get_format(fmt).row_bytes(dim)
+    unit = pages.element_size()  # the record's size in the units the kernel moves
+    dim_p2 = triton.next_power_of_2(dim)
+    tok = tokens_per_tile(T, dim_p2)
+    _put_slots[(R, triton.cdiv(T, tok))](
+        src, pages, slot_mapping.contiguous(), T, src.stride(0), src.stride(1), pages.stride(0),
+        record_bytes // unit, cache.shape[1] // record_bytes, FMT=code, DIM=dim, DIM_P2=dim_p2, TOK=tok)
 
 
 # ---------------------------------------------------------------- get: read and decode

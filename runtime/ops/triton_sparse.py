@@ -1,11 +1,13 @@
 """Triton kernel for `sparse_attention`, and the entry-row loader the indexer shares.
 
 Compressed entries are addressed by id: ids below `committed = positions[r] // ratio` are
-decoded from the cache in-kernel with `triton_codecs.load_rows` (the same decoders as
-every other kernel, bit-exact with the formats), and this pass's ids come from the fp32
-`new` rows, entry `j` at pass row `(j + 1) * ratio - 1 - positions[r]`. A kernel touches
-only ids a length allows, so bytes past the committed length are never loaded (poisoned
-ones change nothing) and the cache's capacity costs nothing.
+decoded in-kernel with `triton_codecs.load_rows` (the same decoders as every other kernel,
+bit-exact with the formats) from the paged cache [pages, page_bytes], entry `j` in page
+`block_table[r, j // entries_per_page]` at record `j % entries_per_page`, the page id
+loaded per entry; this pass's ids come from the fp32 `new` rows, entry `j` at pass row
+`(j + 1) * ratio - 1 - positions[r]`. A kernel touches only ids a length allows, so bytes
+past the committed length are never loaded (poisoned ones change nothing) and the
+capacity a block table addresses costs nothing.
 
 `sparse_attention` is one launch: one program per (row, pass token, block of heads) runs
 an online softmax over the window rows its query sees, then over its entries (the listed
@@ -34,22 +36,40 @@ def dot_tile(dim_p2: int, budget: int = 4096) -> int:
 
 
 @triton.jit
-def entry_tile(cache, c_s, c_t, cap, new, n_r, n_t, r, slot, ids, ok, committed, pos, T,
+def entry_tile(cache, c_p, c_e, per_page, table, cap, new, n_r, n_t, r, ids, ok, committed, pos, T,
                RATIO: tl.constexpr, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
                TOK: tl.constexpr):
     """float32 [TOK, DIM_P2] rows of entries `ids` [TOK] of row r where ok (0 elsewhere).
 
-    Stored ids (below `committed`, and below the capacity so a bad length cannot read out
-    of bounds) are decoded from cache[slot]; later ids are this pass's rows of `new`.
+    Stored ids (below `committed`, and below the row's capacity `cap` = block table width *
+    per_page so a bad length cannot read past its table) are decoded from the page
+    `table[id // per_page]` names, record `id % per_page` (c_p, c_e: page and record
+    strides in cache units); an unmapped page (-1) reads as nothing rather than out of
+    bounds. Later ids are this pass's rows of `new`.
     """
     ids64 = ids.to(tl.int64)
     stored = ok & (ids < committed) & (ids < cap)
-    x = load_rows(cache + slot * c_s + ids64[:, None] * c_t, stored[:, None], FMT, DIM, DIM_P2, TOK)
+    page = tl.load(table + ids64 // per_page, mask=stored, other=-1).to(tl.int64)
+    stored = stored & (page >= 0)
+    at = cache + page * c_p + (ids64 % per_page) * c_e
+    x = load_rows(at[:, None], stored[:, None], FMT, DIM, DIM_P2, TOK)
     row = (ids64 + 1) * RATIO - 1 - pos
     fresh = ok & (ids >= committed) & (row < T)
     d = tl.arange(0, DIM_P2)[None, :]
     y = tl.load(new + r * n_r + row[:, None] * n_t + d, mask=fresh[:, None] & (d < DIM), other=0.0)
     return tl.where(fresh[:, None], y, x)
+
+
+def paged_args(cache, block_table, code: int, dim: int, fmt: str):
+    """(cache units, block table, (c_p, c_e, per_page, table row stride, cap)): what the
+    kernels need to address a paged cache [pages, page_bytes] of `fmt` records of `dim` values."""
+    record_bytes = get_format(fmt).row_bytes(dim)  # rejects a dim the format cannot hold, as the reference
+    units = as_units(cache, code)
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    per_page = cache.shape[1] // record_bytes
+    strides = (units.stride(0), record_bytes // units.element_size(), per_page, table.stride(0),
+               table.shape[1] * per_page)
+    return units, table, strides
 
 
 @triton.jit
@@ -67,8 +87,8 @@ def _online_step(qt, keys, seen, m, l, acc, scale):
 
 
 @triton.jit
-def _attention(q, window, visible, sinks, cache, new, row_ids, positions, indices, out,
-               T, S, K, cap, c_s, c_t, n_r, n_t, scale,
+def _attention(q, window, visible, sinks, cache, new, block_table, positions, indices, out,
+               T, S, K, c_p, c_e, per_page, t_r, cap, n_r, n_t, scale,
                H: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
                RATIO: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
                ENTRIES: tl.constexpr, LISTED: tl.constexpr):
@@ -98,36 +118,33 @@ def _attention(q, window, visible, sinks, cache, new, row_ids, positions, indice
     if ENTRIES:
         pos = tl.load(positions + r).to(tl.int32)
         committed = pos // RATIO
-        slot = tl.load(row_ids + r).to(tl.int64)
+        table = block_table + r.to(tl.int64) * t_r  # this row's pages
         if LISTED:
             for start in range(0, K, BLOCK_N):
                 k = start + tl.arange(0, BLOCK_N)
                 ids = tl.load(indices + rt.to(tl.int64) * K + k, mask=k < K, other=-1).to(tl.int32)
                 ok = ids >= 0
-                keys = entry_tile(cache, c_s, c_t, cap, new, n_r, n_t, r, slot, ids, ok, committed, pos, T,
-                                  RATIO, FMT, DIM, DIM_P2, BLOCK_N)
+                keys = entry_tile(cache, c_p, c_e, per_page, table, cap, new, n_r, n_t, r, ids, ok, committed,
+                                  pos, T, RATIO, FMT, DIM, DIM_P2, BLOCK_N)
                 m, l, acc = _online_step(qt, keys, ok, m, l, acc, scale)
         else:
             below = (pos + t + 1) // RATIO  # the loop runs to this query's length, not the capacity
             for start in range(0, below, BLOCK_N):
                 ids = start + tl.arange(0, BLOCK_N)
                 ok = ids < below
-                keys = entry_tile(cache, c_s, c_t, cap, new, n_r, n_t, r, slot, ids, ok, committed, pos, T,
-                                  RATIO, FMT, DIM, DIM_P2, BLOCK_N)
+                keys = entry_tile(cache, c_p, c_e, per_page, table, cap, new, n_r, n_t, r, ids, ok, committed,
+                                  pos, T, RATIO, FMT, DIM, DIM_P2, BLOCK_N)
                 m, l, acc = _online_step(qt, keys, ok, m, l, acc, scale)
     tl.store(out + q_at, acc / l[:, None], mask=head_ok & dim_ok)
 
 
-def sparse_attention(q, window, window_visible, sinks, entry_cache, new_entries, row_ids, positions,
+def sparse_attention(q, window, window_visible, sinks, entry_cache, new_entries, block_table, positions,
                      indices, ratio: int, fmt: str) -> torch.Tensor:
     R, T, H, D = q.shape
     out = torch.empty(R, T, H, D, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     entries = entry_cache is not None
-    code = format_code(fmt) if entries else 0
-    if entries:
-        get_format(fmt).row_bytes(D)  # rejects a dim the format cannot hold, as the reference's decode
     q = q.to(torch.float32).contiguous()
     window = window.to(torch.float32).contiguous()
     visible = window_visible.contiguous().view(torch.uint8)  # bool bytes, read as 0 / 1
@@ -136,17 +153,19 @@ def sparse_attention(q, window, window_visible, sinks, entry_cache, new_entries,
     K = indices.shape[-1] if listed else 0
     indices = indices.contiguous() if listed else out
     if entries:
-        cache = as_units(entry_cache, code)
+        code = format_code(fmt)
+        cache, table, paged = paged_args(entry_cache, block_table, code, D, fmt)
         new = new_entries.to(torch.float32)
         new = new if new.stride(-1) == 1 else new.contiguous()
-        cache_args = (cache.shape[1], cache.stride(0), cache.stride(1), new.stride(0), new.stride(1))
+        cache_args = (*paged, new.stride(0), new.stride(1))
     else:
-        cache = new = out  # unused without entries
-        cache_args = (0, 0, 0, 0, 0)
+        code = 0
+        cache = new = table = out  # unused without entries: the block table is a dummy then
+        cache_args = (0, 0, 1, 0, 0, 0, 0)  # per_page 1: never divided by, but never zero either
     dim_p2 = max(MIN_DOT, triton.next_power_of_2(D))
     block_h = max(MIN_DOT, min(triton.next_power_of_2(H), 4096 // dim_p2))  # acc is [block_h, dim_p2]
     _attention[(R * T, triton.cdiv(H, block_h))](
-        q, window, visible, sinks, cache, new, row_ids, positions, indices, out,
+        q, window, visible, sinks, cache, new, table, positions, indices, out,
         T, window.shape[1], K, *cache_args, D ** -0.5,
         H=H, BLOCK_H=block_h, DIM=D, DIM_P2=dim_p2, RATIO=ratio, FMT=code,
         BLOCK_N=dot_tile(dim_p2), ENTRIES=entries, LISTED=listed)

@@ -1,6 +1,7 @@
 """The calling convention of a pass: named buffers with role, dtype and symbolic shape.
 
-Symbols: "slots" is the session's slot count (+1 scratch slot), "rows" the rows bucket.
+Symbols: "slots" is the session's slot count (+1 scratch slot), "rows" the rows bucket,
+and each page pool (kinds.POOLS) its page count: the pages a paged cache holds.
 A spec may carry its `info` (contract.py: what the buffer is — kind, layer, format...),
 which the manifest records apart from the calling convention (the `buffers` table and
 each pass's `row_inputs`), so the convention's JSON keeps exactly its four keys.
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from b12x_toolchain.runtime.package.contract import BufferInfo
+from b12x_toolchain.runtime.package.kinds import POOLS
 
 ROLES = ("weight", "cache", "staging", "input", "output")
-SYMBOLS = ("slots", "rows")
+SYMBOLS = ("slots", "rows") + POOLS
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

@@ -1,4 +1,4 @@
-"""What a buffer is and what a pass does, as manifest data (format 2), read strictly.
+"""What a buffer is and what a pass does, as manifest data (format 3), read strictly.
 
 The calling convention (abi.py) says how a buffer is bound: name, role, dtype, shape.
 This says what it holds, so nothing downstream parses a name or switches on a pass name:
@@ -6,7 +6,8 @@ This says what it holds, so nothing downstream parses a name or switches on a pa
 * `buffers` (top level, by name, every cache and staging buffer): kind (kinds.py), the
   target layer or draft stage it belongs to, the row format and decoded row width
   (dims), positions per row (ratio: 1 for rings, the compress ratio for entries), rows
-  per slot for caches, and the page spec of paged staging.
+  per slot for per-slot caches, the page spec of paged caches (CachePages: enough for an
+  engine to allocate pages for a package it has never seen) and of paged staging.
 * per pass: `width`, `advances` (the input whose per-row count moves the committed
   length, or null: the pass writes only staging), `reads_staging_of` (the pass whose
   staging this one makes persistent; it must run on the same rows just before) and
@@ -48,6 +49,36 @@ class PageSpec:
         return {"layout": self.layout, "page_size": self.page_size}
 
 
+PAGE_LAYOUT = "entry_major"  # record e of a page at bytes [e * record_bytes, (e + 1) * record_bytes)
+CACHE_PAGE_FIELDS = ("pool", "tokens_per_entry", "tokens_per_page", "entries_per_page", "record_bytes",
+                     "page_bytes", "alignment", "pages_per_slot", "layout")
+
+
+@dataclass(frozen=True)
+class CachePages:
+    """The page spec of a paged cache [pool, page_bytes], modelled on a serving engine's KV spec.
+
+    Page p of a row's block table holds that row's entries for tokens
+    [p * tokens_per_page, (p + 1) * tokens_per_page): entries_per_page records of
+    record_bytes, entry-major. page_bytes is a multiple of alignment (one record), and a
+    row's block table has pages_per_slot columns (ceil(max_seq_len / tokens_per_page)).
+    Every cache of one pool shares its block table and page ids.
+    """
+
+    pool: str
+    tokens_per_entry: int
+    tokens_per_page: int
+    entries_per_page: int
+    record_bytes: int
+    page_bytes: int
+    alignment: int
+    pages_per_slot: int
+    layout: str = PAGE_LAYOUT
+
+    def to_json(self) -> dict:
+        return {f: getattr(self, f) for f in CACHE_PAGE_FIELDS}
+
+
 @dataclass(frozen=True)
 class BufferInfo:
     kind: str
@@ -57,7 +88,7 @@ class BufferInfo:
     dims: int | None = None
     ratio: int | None = None
     rows_per_slot: int | None = None
-    page: PageSpec | None = None
+    page: PageSpec | CachePages | None = None
 
     def to_json(self) -> dict:
         out = {f: getattr(self, f) for f in BUFFER_FIELDS}
@@ -77,7 +108,10 @@ class BufferInfo:
         for field in ("layer", "stage", "dims", "ratio", "rows_per_slot"):
             if data[field] is not None and not _count(data[field]):
                 raise ValueError(f"buffer {name}: field {field!r}: {data[field]!r} is not an integer or null")
-        return cls(**{**data, "page": _page(name, data["page"])})
+        if data["kind"] not in KINDS:  # `check` refuses it, naming the kinds of the buffer's role
+            return cls(**{**data, "page": None})
+        paged = KINDS[data["kind"]].pool is not None
+        return cls(**{**data, "page": (_cache_pages if paged else _page)(name, data["page"])})
 
     # -- consistency with the calling convention ----------------------------------------
 
@@ -110,13 +144,18 @@ class BufferInfo:
         if not (_count(self.dims) and self.dims > 0 and self.dims % fmt.block == 0):
             raise ValueError(f"{where}: field 'dims': {self.dims!r} is not a positive multiple of {self.format}'s "
                              f"block of {fmt.block}")
+        if not (_count(self.ratio) and self.ratio >= 1) or (rows == "ring" and self.ratio != 1):
+            raise ValueError(f"{where}: field 'ratio': {self.ratio!r}; expected 1 for a ring, "
+                             "the positions per row (at least 1) otherwise")
+        if KINDS[self.kind].pool is not None:
+            if spec.dtype != "uint8":
+                raise ValueError(f"{where}: a paged cache is uint8, got {spec.dtype}")
+            self._check_cache_pages(where, spec, fmt)
+            return
         shape = tuple(spec.shape)
         if spec.dtype != "uint8" or not shape or shape[-1] != fmt.row_bytes(self.dims):
             raise ValueError(f"{where}: field 'dims': {self.dims} {self.format} values are uint8 rows of "
                              f"{fmt.row_bytes(self.dims)} bytes; the buffer is {spec.dtype} {list(shape)}")
-        if not (_count(self.ratio) and self.ratio >= 1) or (rows == "ring" and self.ratio != 1):
-            raise ValueError(f"{where}: field 'ratio': {self.ratio!r}; expected 1 for a ring, "
-                             "the positions per row (at least 1) otherwise")
         if spec.role == "cache":
             if len(shape) != 3 or shape[0] != "slots" or self.rows_per_slot != shape[1]:
                 raise ValueError(f"{where}: field 'rows_per_slot': {self.rows_per_slot!r} does not match the "
@@ -130,12 +169,39 @@ class BufferInfo:
         elif spec.role == "staging" and (len(shape) != 3 or shape[0] != "rows"):
             raise ValueError(f"{where}: a {self.kind} buffer is [rows, positions, bytes], got {list(shape)}")
 
+    def _check_cache_pages(self, where: str, spec, fmt) -> None:
+        page, pool = self.page, KINDS[self.kind].pool
+        if not isinstance(page, CachePages):
+            raise ValueError(f"{where}: field 'page': a {self.kind} cache needs its page spec")
+        if self.rows_per_slot is not None:
+            raise ValueError(f"{where}: field 'rows_per_slot': must be null for a paged cache (see its page spec)")
+        expected = {"pool": pool, "tokens_per_entry": self.ratio, "record_bytes": fmt.row_bytes(self.dims),
+                    "tokens_per_page": page.entries_per_page * self.ratio, "alignment": page.record_bytes,
+                    "page_bytes": page.entries_per_page * page.record_bytes, "layout": PAGE_LAYOUT}
+        for field, value in expected.items():
+            if getattr(page, field) != value:
+                raise ValueError(f"{where}: field 'page': {field} is {getattr(page, field)!r}, expected {value!r}")
+        if tuple(spec.shape) != (pool, page.page_bytes):
+            raise ValueError(f"{where}: field 'page': a paged cache is [{pool}, {page.page_bytes}], "
+                             f"got {list(spec.shape)}")
+
     def _check_pages(self, where: str, shape: tuple) -> None:
         if self.page is None:
             raise ValueError(f"{where}: field 'page': a {self.kind} buffer needs its page spec")
         head = (1, self.page.page_size) if self.page.layout == "HND" else (self.page.page_size, 1)
         if len(shape) != 5 or shape[0] != "rows" or tuple(shape[2:4]) != head:
             raise ValueError(f"{where}: field 'page': {self.page.to_json()} does not match the shape {list(shape)}")
+
+
+def _cache_pages(name: str, data) -> CachePages:
+    if not isinstance(data, dict) or set(data) != set(CACHE_PAGE_FIELDS):
+        raise ValueError(f"buffer {name}: field 'page': expected an object with {list(CACHE_PAGE_FIELDS)}")
+    for field in CACHE_PAGE_FIELDS:
+        wanted_str = field in ("pool", "layout")
+        if not (isinstance(data[field], str) if wanted_str else _count(data[field]) and data[field] > 0):
+            raise ValueError(f"buffer {name}: field 'page': {field} {data[field]!r} is not "
+                             f"{'a string' if wanted_str else 'a positive integer'}")
+    return CachePages(**data)
 
 
 def _page(name: str, data) -> PageSpec | None:
@@ -196,6 +262,17 @@ def check_row_inputs(name: str, fields: PassFields, inputs) -> None:
     for required in ("slot_ids", "positions"):
         if kinds.count(required) != 1:
             raise PackageError(f"{where}.row_inputs: {kinds.count(required)} inputs of kind {required}; expected one")
+    tables = {KINDS[fields.row_inputs[n]].pool: n for n in declared if KINDS[fields.row_inputs[n]].pool}
+    widths = {s.info.page.pool: s.info.page.pages_per_slot for s in inputs
+              if s.role == "cache" and s.info is not None and isinstance(s.info.page, CachePages)}
+    if sorted(tables) != sorted(widths) or len(tables) != sum(bool(KINDS[k].pool) for k in kinds):
+        raise PackageError(f"{where}.row_inputs: block tables for pools {sorted(tables)}; the pass binds paged "
+                           f"caches of pools {sorted(widths)} (one block table each)")
+    for pool, name in tables.items():
+        spec = next(s for s in inputs if s.name == name)
+        if spec.dtype != "int32" or tuple(spec.shape) != ("rows", widths[pool]):
+            raise PackageError(f"{where}: block table {name} is {spec.dtype} {list(spec.shape)}; expected int32 "
+                               f"['rows', {widths[pool]}] (pages_per_slot of pool {pool})")
     counts = [n for n in declared if KINDS[fields.row_inputs[n]].count_min is not None]
     if counts != ([fields.advances] if fields.advances is not None else []):
         raise PackageError(f"{where}.advances: {fields.advances!r}; the pass's count inputs are {counts}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from b12x_toolchain.runtime.errors import PackageError
-from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS
+from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS, OPSET_VERSION
 from b12x_toolchain.runtime.strict_json import load_document
 
 TOP_KEYS = {"graph_module", "opset_version", "range_constraints", "schema_version", "verifiers", "torch_version",
@@ -89,7 +89,7 @@ def _check_node(node, refuse) -> None:
     target = node.get("target")
     if not isinstance(target, str) or not (ATEN_TARGET.fullmatch(target) or target in OPSET_TARGETS
                                            or target in PYTHON_TARGETS):
-        refuse(label, f"target {str(target)[:120]!r} is outside op set v2, aten and operator.getitem")
+        refuse(label, f"target {str(target)[:120]!r} is outside op set v{OPSET_VERSION}, aten and operator.getitem")
     for key, value in _dict(node.get("metadata", {}), refuse, label).items():
         if key not in NODE_METADATA or not isinstance(value, str):
             refuse(label, f"metadata {key!r} is not one of the string fields {sorted(NODE_METADATA)}")

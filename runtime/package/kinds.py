@@ -1,4 +1,4 @@
-"""The closed vocabulary of what a buffer IS, as the manifest records it (format 2).
+"""The closed vocabulary of what a buffer IS, as the manifest records it (format 3).
 
 A server, the snapshot codec and `b12x verify` act on a buffer by its kind, never by
 parsing its name: names are labels, kinds are the contract. A manifest naming a kind
@@ -20,13 +20,20 @@ class Kind:
     # pages) or "per_position" (one row per position of the pass). None: not row-encoded.
     rows: str | None = None
     count_min: int | None = None  # inputs: a per-row count of tokens, at least this many
+    # Paged caches and their block tables: the page pool (also the shape symbol of its
+    # page count). A paged cache is [pool, page_bytes]; its block table is int32
+    # [rows, pages_per_slot], one page id (or -1) per page of a row's tokens.
+    pool: str | None = None
+
+
+POOLS = ("entry_pages", "index_key_pages")
 
 
 KINDS: dict[str, Kind] = {
-    # Persistent caches, per slot.
+    # Persistent caches: paged (entries and index keys, in the caller's pages) or per slot.
+    "compressed_entries": Kind("cache", "layer", "append", pool="entry_pages"),  # one entry per `ratio` positions
+    "index_keys": Kind("cache", "layer", "append", pool="index_key_pages"),  # the indexer's key per entry
     "window_ring": Kind("cache", "layer", "ring"),  # the last `history` window rows of a layer
-    "compressed_entries": Kind("cache", "layer", "append"),  # one entry per `ratio` positions
-    "index_keys": Kind("cache", "layer", "append"),  # the indexer's key per compressed entry
     "compressor_state": Kind("cache", "layer", "ring"),  # raw [kv | gate] rows of open groups
     "index_compressor_state": Kind("cache", "layer", "ring"),  # the same for the indexer's keys
     "draft_window": Kind("cache", "stage", "ring"),  # a draft stage's window ring
@@ -45,12 +52,18 @@ KINDS: dict[str, Kind] = {
     "token_ids": Kind("input"),
     "slot_ids": Kind("input"),  # the slot each row runs in (padding rows: the scratch slot)
     "positions": Kind("input"),  # each row's first absolute position: its committed length
+    "entry_block_table": Kind("input", pool="entry_pages"),  # pages of a row's compressed entries
+    "index_key_block_table": Kind("input", pool="index_key_pages"),  # pages of a row's index keys
     "new_tokens": Kind("input", count_min=1),  # prefill: how many of the chunk's tokens are real
     "accepted_tokens": Kind("input", count_min=0),  # commit: how many staged rows become persistent
 }
 
 BUFFER_ROLES = ("cache", "staging")  # described in the manifest's top-level `buffers` table
 ENCODED_ROWS = ("ring", "append", "paged", "per_position")  # kinds whose rows are in a format
+
+
+def block_table_kind(pool: str) -> str:
+    return next(name for name, kind in KINDS.items() if kind.role == "input" and kind.pool == pool)
 
 
 def kinds_for(role: str) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from b12x_toolchain.runtime.package.abi import BufferSpec, contract, fingerprint
 from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buffer_table, check_row_inputs, described,
                                                      pass_fields, row_input_info)
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
+from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
@@ -36,7 +37,9 @@ from b12x_toolchain.runtime.strict_json import load_document
 # major.minor: another major is refused, an older minor accepted. 1.1 added external
 # weights (structural packages: weights.external, weights.tensors). 2.0 records what
 # every buffer is and what every pass does as data (contract.py) and calls op set 2.
-FORMAT_VERSION = "2.0"
+# 3.0 pages compressed entries and index keys ([pool, page_bytes] caches, a page spec per
+# cache, block tables as pass inputs) and calls op set 3.
+FORMAT_VERSION = "3.0"
 MANIFEST_LIMIT = 16 << 20
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
@@ -69,6 +72,11 @@ class PassInfo:
             if spec.role == "input":
                 by_kind.setdefault(spec.info.kind, []).append(spec.name)
         return by_kind
+
+    @functools.cached_property
+    def block_tables(self) -> dict[str, str]:
+        """The pass's block-table inputs by page pool (kinds.py)."""
+        return {KINDS[kind].pool: names[0] for kind, names in self._row_inputs.items() if KINDS[kind].pool}
 
     def input_of(self, kind: str) -> str | None:
         """The name of this pass's row input of `kind` (the first, if several), or None."""
@@ -103,13 +111,17 @@ class Package:
     def external_weights(self) -> bool:
         return bool(self.manifest["weights"].get("external"))
 
-    def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None):
+    def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
+                pages: int | dict | None = None, cache_bytes: int | None = None):
+        """A session of `slots` request slots; `pages` (per pool, or one count for every pool)
+        or `cache_bytes` bound the paged caches (default: every slot can reach max_seq_len)."""
         from b12x_toolchain.runtime.session.session import Session
 
         if self.weights is None:
             raise PackageError(f"{self.path.name}: weights are external and not bound; "
                                "load it with load(path, weights=CHECKPOINT_DIR)")
-        return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers)
+        return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers, pages=pages,
+                       cache_bytes=cache_bytes)
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),

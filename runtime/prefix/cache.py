@@ -31,6 +31,7 @@ import threading
 from dataclasses import asdict, dataclass
 
 from b12x_toolchain.runtime.prefix.keys import token_bytes
+from b12x_toolchain.runtime.errors import PagesExhausted
 from b12x_toolchain.runtime.prefix.l1 import L1Cache
 from b12x_toolchain.runtime.prefix.l2 import L2Store
 from b12x_toolchain.runtime.prefix.snapshot import LayoutError, Snapshot, SnapshotCodec, SnapshotError
@@ -48,6 +49,7 @@ class PrefixStats:
     hydrate_errors: int = 0  # a found snapshot did not fit the package: treated as a miss
     l2_write_drops: int = 0  # the background writer's queue was full
     l2_write_failures: int = 0  # the background writer hit an unexpected error (see last_write_error)
+    page_drops: int = 0  # not stored: no free page for a by-reference snapshot's partly filled page
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -140,7 +142,7 @@ class PrefixCache:
         if hit is not None:
             try:
                 self.codec.hydrate(session, slot, hit.snapshot)
-            except SnapshotError:
+            except (SnapshotError, PagesExhausted):
                 session.reset_slot(slot)
                 with self._lock:
                     self.stats.hydrate_errors += 1
@@ -164,21 +166,43 @@ class PrefixCache:
         """Capture `slot` (holding exactly `tokens`) into L1 and L2; None when snapshots are off."""
         if not self.enabled or not self._usable(len(tokens)):
             return None
-        snap = self.codec.capture(session, slot, tokens, logits)
+        try:
+            snap = self.codec.capture(session, slot, tokens, logits, by_reference=self.l1 is not None)
+        except PagesExhausted:  # no free page for the copy of a partly filled page: skip this one
+            with self._lock:
+                self.stats.page_drops += 1
+            return None
+        if self.l2 is not None:  # L2 stores whole pages: copied now, while the slot still holds them
+            stored = self.codec.materialized(snap)
         if self.l1 is not None:
             self.l1.insert(snap)
         if self.l2 is not None:
             if self._queue is None:
-                self.l2.put(snap)
+                self.l2.put(stored)
             else:
                 try:
-                    self._queue.put_nowait(snap)
+                    self._queue.put_nowait(stored)
                 except queue.Full:
                     with self._lock:
                         self.stats.l2_write_drops += 1
         with self._lock:
             self.stats.insertions += 1
         return snap
+
+    def release_pages(self, wanted, keep=()) -> int:
+        """Drop L1 snapshots holding pages (least recently used first, none in `keep`) until `wanted()` is true."""
+        return self.l1.release_pages(wanted, keep) if self.l1 is not None else 0
+
+    def shared_prefix(self, prompt) -> Snapshot | None:
+        """The L1 snapshot holding pages by reference that `restore` would hydrate into a slot
+        of this session's pages (uncounted): the pages a request admitted for it need not get anew."""
+        if self.l1 is None:
+            return None
+        data = token_bytes(prompt)
+        n = len(data) // 4
+        snap = self.l1.peek(self.codec.identity.key, data,
+                            lambda s: self._usable(s.length) and (s.length < n or s.logits is not None))
+        return snap if snap is not None and snap.pages is not None else None
 
     def _write_loop(self) -> None:
         while True:

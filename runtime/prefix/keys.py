@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from b12x_toolchain.runtime import strict_json
 from b12x_toolchain.runtime.errors import SnapshotError
 
-SNAPSHOT_SCHEMA = 1  # bump when what a snapshot holds or how it is laid out changes
+SNAPSHOT_SCHEMA = 2  # 2: paged caches as whole pages. Bump when what a snapshot holds or how it is laid out changes
 KEY_PREFIX = 16  # hex digits of the identity key that L2 file names carry
 
 

@@ -7,8 +7,10 @@ refreshes recency. Storing a snapshot drops the stored snapshots it dominates (s
 prefixes of it, same package): a conversation that grew past them will not come back to
 them, and the L2 tier still has them if it does.
 
-Snapshots are immutable and handed out as objects, so an entry evicted while a caller is
-hydrating from it stays intact for that caller. One lock guards everything; nothing slow
+Snapshots are immutable and handed out as objects. One that holds a session's pages by
+reference is L1's to release: dropping it (eviction, pruning, clear, or declining to
+store it) releases its pages, which return to the pool once no slot holds them either,
+so eviction never frees a page a live request references. One lock guards everything; nothing slow
 (no I/O, no tensor copies) runs under it.
 """
 
@@ -87,16 +89,26 @@ class L1Cache:
             self.stats.hits += 1
             return found[1]
 
+    def peek(self, key: str, prompt: bytes, usable: Callable[[Snapshot], bool] = lambda s: True) -> Snapshot | None:
+        """What `lookup` would return, without counting it or refreshing recency."""
+        with self._lock:
+            lengths = [n for n in self._lengths.get(key, {}) if 4 * n <= len(prompt)]
+            found = self._find(key, prompt, lengths, usable) if lengths else None
+            return found[1] if found is not None else None
+
     def insert(self, snap: Snapshot) -> bool:
         """Store `snap` (or refresh an identical one); False when it is larger than the budget."""
         key, size = snap.identity.key, snap.nbytes
         with self._lock:
             if size > self.max_bytes:
                 self.stats.too_large += 1
+                snap.release()
                 return False
             for entry in self._buckets.get((key, snap.length, snap.token_hash), ()):
                 if self._lru[entry].tokens == snap.tokens:
                     self._lru.move_to_end(entry)
+                    if self._lru[entry] is not snap:
+                        snap.release()
                     return True
             shorter = [n for n in self._lengths.get(key, {}) if n < snap.length]
             while shorter:  # each round drops one dominated entry, then looks again
@@ -132,6 +144,20 @@ class L1Cache:
         if not counts:
             del self._lengths[snap.identity.key]
         self._bytes -= snap.nbytes
+        snap.release()
+
+    def release_pages(self, wanted, keep=()) -> int:
+        """Evict the least recently used snapshots that hold pages by reference (but those in
+        `keep`) until `wanted()` is true or none is left; returns how many were dropped."""
+        dropped = 0
+        with self._lock:
+            for entry in [e for e, snap in self._lru.items() if snap.pages is not None and snap not in keep]:
+                if wanted():
+                    break
+                self._remove(entry)
+                self.stats.evictions += 1
+                dropped += 1
+        return dropped
 
     def clear(self) -> None:
         with self._lock:

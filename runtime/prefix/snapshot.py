@@ -8,8 +8,13 @@ Every cache of a slot is one of two kinds, both addressed by absolute position:
   rows holding positions max(0, length - capacity) .. length - 1 are live; they are
   stored in physical order with the ring index (length % capacity) and the absolute
   offset (length), which is all it takes to put them back where the ring expects them.
-* append — compressed rows (row = pos // ratio, written when a group closes); rows
-  0 .. length // ratio - 1 are live.
+* paged — compressed entries and index keys, in the session's pages (entry = pos //
+  ratio, written when a group closes; entries 0 .. length // ratio - 1 are live). A
+  snapshot holds the pages that cover its tokens, ceil(length / tokens_per_page) per
+  pool, either by reference (L1: the session's pages themselves, retained, shared with
+  every slot hydrated from it, never written again since a writer copies a shared page
+  first) or as whole pages of bytes (L2, another session), dead records zeroed so no
+  stale byte of an earlier request is ever stored.
 
 Rows past those are invisible to every pass (positions are masked), so they are neither
 stored nor cleared. Rows stay in their encoded formats (MXFP8, NVFP4, fp32 bytes): a
@@ -29,6 +34,7 @@ codec does not know cannot be snapshotted at all (LayoutError), rather than half
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,14 +54,20 @@ class SnapshotMismatch(SnapshotError):
 @dataclass(frozen=True)
 class CacheKind:
     name: str
-    kind: str  # "ring" or "append"
-    capacity: int  # rows per slot
-    row_bytes: int
-    ratio: int = 1  # append caches: one row per `ratio` positions
+    kind: str  # "ring" or "paged"
+    capacity: int  # rows per slot (rings)
+    row_bytes: int  # ring rows; paged: one record
+    ratio: int = 1  # paged caches: one entry per `ratio` positions
     window: bool = False  # an attention window ring (a rotating cache, in the capability flags)
+    pool: str | None = None  # paged caches
+    tokens_per_page: int = 0
+    page_bytes: int = 0
 
     def rows(self, length: int) -> int:
         return min(length, self.capacity) if self.kind == "ring" else length // self.ratio
+
+    def pages(self, length: int) -> int:
+        return -(-length // self.tokens_per_page)
 
     def meta(self, length: int) -> dict:
         """What a snapshot of `length` tokens records for this cache."""
@@ -63,8 +75,26 @@ class CacheKind:
         if self.kind == "ring":
             out.update(capacity=self.capacity, ring_index=length % self.capacity)
         else:
-            out.update(ratio=self.ratio)
+            out.update(ratio=self.ratio, pool=self.pool, tokens_per_page=self.tokens_per_page,
+                       page_bytes=self.page_bytes, pages=self.pages(length))
         return out
+
+    def shape(self, length: int) -> tuple[int, int]:
+        """The stored tensor: live ring rows, or whole pages."""
+        return (self.rows(length), self.row_bytes) if self.kind == "ring" else (self.pages(length), self.page_bytes)
+
+
+class SharedPages:
+    """A snapshot's reference to a session's pages: retained at capture, released once."""
+
+    def __init__(self, tables, ids: dict[str, tuple[int, ...]]):
+        self.tables, self.ids = tables, ids
+        self.released = False
+
+    def release(self, evicted: bool = True) -> None:
+        if not self.released:
+            self.released = True
+            self.tables.release(self.ids, evicted)
 
 
 def _classify(spec, max_seq_len: int) -> CacheKind:
@@ -73,15 +103,18 @@ def _classify(spec, max_seq_len: int) -> CacheKind:
     kind = KINDS.get(info.kind) if info is not None else None
     if kind is None or kind.role != "cache" or kind.rows not in ("ring", "append"):
         raise LayoutError(f"{spec.name}: the snapshot codec does not know cache kind {getattr(info, 'kind', None)!r}")
+    if kind.pool is not None:
+        page = info.page
+        if spec.shape != (page.pool, page.page_bytes) or page.pages_per_slot * page.tokens_per_page < max_seq_len:
+            raise LayoutError(f"{spec.name}: expected uint8 [{page.pool}, {page.page_bytes}] whose pages cover "
+                              f"max_seq_len {max_seq_len}, got {list(spec.shape)}")
+        return CacheKind(spec.name, "paged", 0, page.record_bytes, ratio=info.ratio, pool=page.pool,
+                         tokens_per_page=page.tokens_per_page, page_bytes=page.page_bytes)
     if spec.dtype != "uint8" or len(spec.shape) != 3 or spec.shape[0] != "slots":
         raise LayoutError(f"{spec.name}: expected uint8 [slots, rows, bytes], got {spec.dtype} {list(spec.shape)}")
-    capacity, row_bytes = spec.shape[1], spec.shape[2]
-    if kind.rows == "ring":
-        return CacheKind(spec.name, "ring", capacity, row_bytes, window=info.kind in WINDOW_KINDS)
-    if capacity != max_seq_len // info.ratio:
-        raise LayoutError(f"{spec.name}: {capacity} rows of one per {info.ratio} positions do not cover "
-                          f"max_seq_len {max_seq_len}")
-    return CacheKind(spec.name, "append", capacity, row_bytes, ratio=info.ratio)
+    if kind.rows != "ring":
+        raise LayoutError(f"{spec.name}: a per-slot {info.kind} cache; this codec stores those kinds paged")
+    return CacheKind(spec.name, "ring", spec.shape[1], spec.shape[2], window=info.kind in WINDOW_KINDS)
 
 
 def seq_len_buffer(specs) -> str:
@@ -124,25 +157,38 @@ def capabilities(specs, max_seq_len: int) -> dict[str, bool]:
 
 @dataclass(frozen=True, eq=False)
 class Snapshot:
-    """Immutable once made: tiers hand out the object itself, hydration only reads it."""
+    """Immutable once made: tiers hand out the object itself, hydration only reads it.
+
+    `caches` holds every ring's live rows and, unless `pages` holds them by reference,
+    every paged cache's whole pages [pages, page_bytes].
+    """
 
     identity: Identity
     length: int
     tokens: bytes  # int32 little-endian, `length` ids
     token_hash: str
-    caches: dict  # name -> uint8 [rows, row_bytes] on the CPU
+    caches: dict  # name -> uint8 tensor on the CPU (CacheKind.shape)
     meta: dict  # name -> CacheKind.meta(length)
     logits: torch.Tensor | None = None  # float32 [vocab] after the last token
     kind: str = "prefill"
+    pages: SharedPages | None = None  # paged caches by reference to a session's pages
 
     @property
     def nbytes(self) -> int:
+        """Bytes the snapshot holds, pages held by reference included (they stay allocated)."""
         logits = self.logits.nbytes if self.logits is not None else 0
-        return sum(t.nbytes for t in self.caches.values()) + len(self.tokens) + logits
+        shared = sum(m["pages"] * m["page_bytes"] for m in self.meta.values() if m["kind"] == "paged") \
+            if self.pages is not None else 0
+        return sum(t.nbytes for t in self.caches.values()) + len(self.tokens) + logits + shared
 
     @property
     def token_ids(self) -> list[int]:
         return token_ids(self.tokens)
+
+    def release(self) -> None:
+        """Drop the snapshot's page references (a tier evicted it); it can no longer be hydrated."""
+        if self.pages is not None:
+            self.pages.release()
 
 
 class SnapshotCodec:
@@ -167,8 +213,12 @@ class SnapshotCodec:
         if not 0 <= slot < session.slots:
             raise SnapshotError(f"slot {slot} is out of range [0, {session.slots})")
 
-    def capture(self, session, slot: int, tokens, logits: torch.Tensor | None = None) -> Snapshot:
-        """Copy the live rows of `slot`, which must hold exactly `tokens`, into a new snapshot."""
+    def capture(self, session, slot: int, tokens, logits: torch.Tensor | None = None,
+                by_reference: bool = False) -> Snapshot:
+        """Copy the live rows of `slot`, which must hold exactly `tokens`, into a new snapshot.
+
+        by_reference: retain the slot's pages instead of copying them (see the module doc).
+        """
         self._check_session(session, slot)
         data = token_bytes(tokens)
         length = len(data) // 4
@@ -178,13 +228,42 @@ class SnapshotCodec:
                                 f"({self.seq_len} {stored}); {length} tokens were given")
         caches = {}
         for name, kind in self.layout.items():
-            rows = session.caches[name][slot, : kind.rows(length)]
-            # copy=True: a CPU cache would otherwise be shared, and the slot moves on.
-            caches[name] = rows.to("cpu", copy=True).contiguous()
+            if kind.kind == "ring":
+                # copy=True: a CPU cache would otherwise be shared, and the slot moves on.
+                caches[name] = session.caches[name][slot, : kind.rows(length)].to("cpu", copy=True).contiguous()
+        pages = SharedPages(session.pages, session.pages.share(slot, length)) if by_reference else None
+        if pages is None:
+            held = {pool: session.pages.held[pool][slot] for pool in session.pages.pools}
+            caches.update(self._page_bytes(session.pages, held, length))
         if logits is not None:
             logits = logits.detach().to("cpu", torch.float32, copy=True).contiguous()
         meta = {name: kind.meta(length) for name, kind in self.layout.items()}
-        return Snapshot(self.identity, length, data, token_hash(self.identity.key, data), caches, meta, logits)
+        return Snapshot(self.identity, length, data, token_hash(self.identity.key, data), caches, meta, logits,
+                        pages=pages)
+
+    def _page_bytes(self, tables, held: dict, length: int) -> dict:
+        """Whole pages of every paged cache as CPU bytes, records past the live entries zeroed."""
+        out = {}
+        for name, kind in self.layout.items():
+            if kind.kind != "paged":
+                continue
+            cache = tables.caches[kind.pool][name]
+            ids = torch.tensor(held[kind.pool][: kind.pages(length)], dtype=torch.long, device=cache.device)
+            pages = cache[ids].to("cpu", copy=True).contiguous()
+            records = pages.view(-1, kind.row_bytes)
+            records[kind.rows(length):] = 0
+            out[name] = pages
+        return out
+
+    def materialized(self, snap: Snapshot) -> Snapshot:
+        """`snap` with its pages as bytes (for L2, or a session that does not hold them)."""
+        if snap.pages is None:
+            return snap
+        if snap.pages.released:
+            raise SnapshotError("the snapshot's pages were released; it cannot be read")
+        held = {p: list(ids) for p, ids in snap.pages.ids.items()}
+        caches = {**snap.caches, **self._page_bytes(snap.pages.tables, held, snap.length)}
+        return dataclasses.replace(snap, caches=caches, pages=None)
 
     def check(self, snap: Snapshot) -> None:
         """Raise SnapshotMismatch unless `snap` fits this package exactly."""
@@ -193,24 +272,48 @@ class SnapshotCodec:
         if not 1 <= snap.length <= self.max_seq_len or len(snap.tokens) != 4 * snap.length:
             raise SnapshotMismatch(f"snapshot length {snap.length} does not fit max_seq_len {self.max_seq_len} "
                                    f"or its {len(snap.tokens) // 4} tokens")
-        differ = sorted((set(self.layout) ^ set(snap.caches)) | (set(self.layout) ^ set(snap.meta)))
+        by_reference = snap.pages is not None
+        if by_reference and snap.pages.released:
+            raise SnapshotError("the snapshot's pages were released; it cannot be hydrated")
+        stored = {n for n, k in self.layout.items() if k.kind == "ring" or not by_reference}
+        differ = sorted((stored ^ set(snap.caches)) | (set(self.layout) ^ set(snap.meta)))
         if differ:
             raise SnapshotMismatch(f"snapshot caches differ from the package's: {differ[:3]}")
         for name, kind in self.layout.items():
             expected = kind.meta(snap.length)
             if snap.meta[name] != expected:
                 raise SnapshotMismatch(f"{name}: snapshot records {snap.meta[name]}, expected {expected}")
-            tensor = snap.caches[name]
-            if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (expected["rows"], kind.row_bytes):
+            if name not in stored:
+                if len(snap.pages.ids.get(kind.pool, ())) != expected["pages"]:
+                    raise SnapshotMismatch(f"{name}: the snapshot holds {len(snap.pages.ids.get(kind.pool, ()))} "
+                                           f"pages of pool {kind.pool}, expected {expected['pages']}")
+                continue
+            tensor, shape = snap.caches[name], kind.shape(snap.length)
+            if tensor.dtype != torch.uint8 or tuple(tensor.shape) != shape:
                 raise SnapshotMismatch(f"{name}: snapshot rows are {tensor.dtype} {list(tensor.shape)}, "
-                                       f"expected uint8 {[expected['rows'], kind.row_bytes]}")
+                                       f"expected uint8 {list(shape)}")
 
     def hydrate(self, session, slot: int, snap: Snapshot) -> None:
-        """Make `slot` hold exactly the snapshot's state; everything is checked before any write."""
+        """Make `slot` hold exactly the snapshot's state; everything is checked before any write.
+
+        Pages held by reference in this session are shared, not copied: only the rings
+        (window, compressor state, drafter caches) are written.
+        """
         self._check_session(session, slot)
         self.check(snap)
+        if snap.pages is not None and snap.pages.tables is not session.pages:
+            snap = self.materialized(snap)
         session.reset_slot(slot)
+        if snap.pages is not None:
+            session.pages.adopt(slot, snap.pages.ids)
+        else:  # raises before writing when the pages cannot be had; the slot stays empty
+            by_pool = {}
+            for name, kind in self.layout.items():
+                if kind.kind == "paged":
+                    by_pool.setdefault(kind.pool, {})[name] = snap.caches[name].to(session.device)
+            session.pages.fill(slot, by_pool)
         for name, kind in self.layout.items():
-            session.caches[name][slot, : kind.rows(snap.length)].copy_(snap.caches[name])
+            if kind.kind == "ring":
+                session.caches[name][slot, : kind.rows(snap.length)].copy_(snap.caches[name])
         session.caches[self.seq_len][slot] = snap.length
         session.seq_lens[slot] = snap.length

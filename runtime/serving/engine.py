@@ -11,6 +11,13 @@ its first token.
 A slot changes hands by resetting its committed length. Row ids and positions are graph
 inputs and every cache read is masked by position, so the previous request's rows are
 invisible to the next one and no graph is captured again.
+
+Pages: a request is admitted only when the session can reserve every page it may ever
+need (prompt, new tokens and one verify block, up to max_seq_len; pages shared from a
+prefix hit are not counted twice). Otherwise it waits at the head of the queue — after
+the prefix cache has given back the pages of snapshots no request holds — until a
+retiring request frees pages. A request that could not fit even in an empty session is
+refused when submitted, before anything runs. A retiring request's pages return at once.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
+from b12x_toolchain.runtime.errors import PagesExhausted
 from b12x_toolchain.runtime.serving.requests import Request, RequestState, check_request
 from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
 from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
@@ -79,13 +87,19 @@ class Engine:
         self.waiting.extend(states)
         return states
 
-    def new_states(self, requests: Iterable[Request | list[int]]) -> list[RequestState]:
-        """Check requests and make their states, numbered in submission order; nothing is queued."""
+    def new_states(self, requests: Iterable[Request | list[int]], check_pages: bool = True) -> list[RequestState]:
+        """Check requests and make their states, numbered in submission order; nothing is queued.
+
+        check_pages: refuse a request whose pages could never be had (rows driven by hand,
+        which reserve nothing and grow as they go, skip it)."""
         items = [r if isinstance(r, Request) else Request(prompt=r) for r in requests]
         labels = []
         for offset, request in enumerate(items):
             label = request.id if request.id is not None else self._submitted + offset
             check_request(request, repr(label), self.vocab_size, self.max_seq_len)
+            reason = self.session.pages.never_fits(self.span(request)) if check_pages else None
+            if reason is not None:
+                raise ValueError(f"request {label!r} can never fit this session: {reason}")
             if label in self._ids or label in labels:
                 raise ValueError(f"request {label!r}: id is used twice; request ids must be unique")
             labels.append(label)
@@ -100,6 +114,25 @@ class Engine:
                                  _generator(seed), submitted_at=now)
             states.append(state)
         return states
+
+    def span(self, request) -> int:
+        """The most tokens a request's slot may hold: commit can run a verify block past its last token."""
+        return min(len(request.prompt) + request.max_new_tokens + self.verify_width, self.max_seq_len)
+
+    def _pages_for(self, request, slot: int, relied: list) -> bool:
+        """Reserve the pages `request` may need in `slot`, after the prefix cache gave back what it
+        can. Full pages of the L1 snapshot it will hydrate are shared, not needed anew, and that
+        snapshot (like every one this admission round relies on, `relied`) is never given back."""
+        pages, span = self.session.pages, self.span(request)
+        hit = self.prefix_cache.shared_prefix(request.prompt) if self.prefix_cache is not None else None
+        shared = hit.length if hit is not None and hit.pages.tables is pages else 0
+        relied.extend([hit] if shared else [])
+        if not pages.can_reserve(slot, 0, span, shared) and self.prefix_cache is not None:
+            self.prefix_cache.release_pages(lambda: pages.can_reserve(slot, 0, span, shared), keep=relied)
+        if not pages.can_reserve(slot, 0, span, shared):
+            return False
+        pages.reserve(slot, 0, span, shared)
+        return True
 
     @property
     def busy(self) -> bool:
@@ -125,6 +158,9 @@ class Engine:
         stats = StepStats(step=self._step_calls)
         self._step_calls += 1
         self._admit(stats)
+        if self.waiting and not self.active and not stats.admitted:  # never_fits was checked at submission
+            raise PagesExhausted(f"request {self.waiting[0].id!r} waits for pages although no request runs: "
+                                 f"{self.session.pages.stats()['pools']}")
         if self.active:
             start = time.perf_counter()
             # Verify writes verify_width positions ahead; the last few tokens before
@@ -145,17 +181,30 @@ class Engine:
         return self.last_step
 
     def _admit(self, stats: StepStats) -> None:
-        while self.waiting and self.free:
-            batch = []
+        blocked = False
+        while self.waiting and self.free and not blocked:
+            batch, relied = [], []
             while self.waiting and self.free and len(batch) < self.prefill_rows:
+                if not self._pages_for(self.waiting[0], self.free[0], relied):
+                    stats.page_waits += 1
+                    blocked = True  # first come, first served: later requests wait behind it
+                    break
                 request, slot = self.waiting.popleft(), self.free.popleft()
                 stats.slot_reuse += slot in self._held
                 self._held.add(slot)
                 request.slot = slot
                 batch.append(request)
+            if not batch:
+                break
             start = time.perf_counter()
-            self.prefill_batch(batch, stats)
+            deferred = self.prefill_batch(batch, stats)
             stats.prefill_seconds += time.perf_counter() - start
+            for request in reversed(deferred):  # their pages could not be had after all: queued again
+                batch.remove(request)
+                self.session.retire_slot(request.slot)
+                self.free.appendleft(request.slot)
+                self.waiting.appendleft(request)
+                blocked = True
             stats.admitted += len(batch)
             for request in batch:
                 if request.done:  # its first token already ended it: the slot is free again
@@ -165,6 +214,7 @@ class Engine:
 
     def _retire(self, request: RequestState, stats: StepStats) -> None:
         request.finished_at = time.perf_counter()
+        self.session.retire_slot(request.slot)  # its pages and reservation go back at once
         self.free.append(request.slot)
         self.finished.append(request)
         stats.retired += 1
@@ -176,21 +226,33 @@ class Engine:
         stats.padding_rows += self.session.bucket_for(pass_name, rows).rows - rows
         return self.session.replay(pass_name, **values)
 
-    def prefill_batch(self, batch: list[RequestState], stats: StepStats) -> None:
+    def prefill_batch(self, batch: list[RequestState], stats: StepStats, reserve: bool = True) -> list[RequestState]:
         """Prefill every prompt of the batch, chunk by chunk, the rows of one chunk together.
 
         With a prefix cache each row first hydrates its longest stored prefix, so rows
         start at different positions; each chunk continues every row from its own length.
+        reserve: keep each row's page reservation (made at admission) to what it still
+        needs; rows whose pages cannot be had are left out and returned. Rows driven by
+        hand reserve nothing and grow as they go.
         """
-        cache, last = self.prefix_cache, {}
+        cache, last, deferred = self.prefix_cache, {}, []
         for request in batch:
             self.session.reset_slot(request.slot)
             request.length = 0
             hit = cache.restore(self.session, request.slot, request.prompt) if cache is not None else None
+            # What the slot still needs now that its shared pages are known. Admission reserved for
+            # the hit it expected; a different one (from L2, copied) may need more than can be had.
+            committed, span = hit.length if hit else 0, self.span(request)
+            if reserve and not self.session.pages.can_reserve(request.slot, committed, span):
+                deferred.append(request)
+                continue
+            if reserve:
+                self.session.pages.reserve(request.slot, committed, span)
             if hit is not None:
                 request.length = hit.length
                 if hit.length == len(request.prompt):  # exact hit: the stored logits give the first token
                     last[request.slot] = hit.snapshot.logits
+        batch = [r for r in batch if r not in deferred]
         while rows := [r for r in batch if r.length < len(r.prompt)]:
             pieces = [r.prompt[r.length : r.length + self.chunk] for r in rows]
             out = self._replay("prefill", stats, tokens=[p + [0] * (self.chunk - len(p)) for p in pieces],
@@ -210,6 +272,7 @@ class Engine:
             request.first_token_at = now
             self._emit(request, [request.pending], [margin(logits)], stats)
             stats.prefill_tokens += len(request.prompt)
+        return deferred
 
     def _drafts(self, rows: list[RequestState], stats: StepStats):
         """Draft tokens per row and, for sampled drafts from the draft pass, their distributions q."""

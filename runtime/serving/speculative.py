@@ -43,9 +43,9 @@ class Decoder:
         """Prefill a prompt into a slot; the row's pending token is the target's first token."""
         engine = self.engine()
         room = max(1, engine.max_seq_len - len(prompt))  # rows driven by hand may run to max_seq_len
-        (row,) = engine.new_states([Request(list(prompt), max_new_tokens=room)])
+        (row,) = engine.new_states([Request(list(prompt), max_new_tokens=room)], check_pages=False)
         row.slot = slot
-        self._run(lambda stats: engine.prefill_batch([row], stats))
+        self._run(lambda stats: engine.prefill_batch([row], stats, reserve=False))
         self.margins[slot] = row.margins
         return row
 

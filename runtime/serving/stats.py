@@ -22,6 +22,7 @@ class Counters:
     admitted: int = 0
     retired: int = 0
     slot_reuse: int = 0  # admissions into a slot an earlier request of this engine held
+    page_waits: int = 0  # admissions deferred because the request's pages could not be had yet
     generated: int = 0  # tokens handed to requests (the first one comes from prefill)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0

@@ -42,7 +42,7 @@ class GraphRunner:
         self.device = torch.device(device)
         self.capture = self.device.type == "cuda"
         if self.capture and not ops.CUDA_KERNELS:
-            raise RuntimeError("a CUDA session needs the Triton kernels of op set v2: install triton "
+            raise RuntimeError(f"a CUDA session needs the Triton kernels of op set v{ops.OPSET_VERSION}: install triton "
                                "(pip install 'b12x[cuda]')")
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.scratch_slot = scratch_slot

@@ -6,6 +6,12 @@ validates the caller's values, copies them into the bucket's static inputs (padd
 point at the scratch slot, the last slot), runs the captured graph and copies results
 into the bucket's static outputs. Buffers never move, so poisoning any reusable storage
 before a replay changes no output.
+
+Compressed entries and index keys are paged (page_tables.py). By default the session owns
+the pages: `pages` (per pool, or one count for all), a `cache_bytes` budget for them, or
+else enough for every slot to reach max_seq_len; a replay then gives each row the pages
+its tokens need and fills the block-table inputs itself. A caller that owns its pages
+passes the block tables instead, and the session only checks them.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.package.contract import CachePages
+from b12x_toolchain.runtime.session.page_tables import PageTables
+from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
@@ -32,17 +41,18 @@ class Bucket:
     """
 
     def __init__(self, rows: int, inputs: dict, outputs: dict, staging: dict, graph, args: list, out_spec,
-                 slot_input: str | None = None):
+                 padding: dict):
         self.rows, self.inputs, self.outputs, self.staging = rows, inputs, outputs, staging
         self.graph, self.args, self.out_spec = graph, args, out_spec
-        self.slot_input = slot_input  # the static input of kind slot_ids: padding rows get the scratch slot
+        self.padding = padding  # per static input, the value of padding rows (scratch slot, no page, 0)
 
     def run(self) -> dict:
         return pytree.tree_unflatten(list(self.graph(*self.args)), self.out_spec)
 
 
 class Session:
-    def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None):
+    def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
+                 pages: int | dict | None = None, cache_bytes: int | None = None):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.package, self.device = package, torch.device(device)
@@ -52,7 +62,9 @@ class Session:
         self.seq_lens = [0] * (slots + 1)  # host mirror of the seq_len cache: validation needs no sync
         self.weights = {k: v.to(self.device) for k, v in package.weights.items()}
         self.caches, self.staging = {}, {}
+        self.pools = self._pools(pages, cache_bytes, buffers or {})
         self._bind(buffers or {})
+        self.pages = PageTables(self.pools, self._paged_caches(), slots, self.device)
         # The cache that holds committed lengths, by its recorded kind (contract.py).
         lengths = [n for n, s in self._shared_specs().items() if s.info is not None and s.info.kind == "seq_len"]
         if len(lengths) != 1:
@@ -72,8 +84,50 @@ class Session:
                         raise BufferError(f"{spec.name}: passes disagree on its spec")
         return specs
 
+    def _page_specs(self) -> dict[str, list]:
+        """Paged caches by pool: [(name, CachePages)]."""
+        out = {}
+        for name, spec in self._shared_specs().items():
+            if spec.info is not None and isinstance(spec.info.page, CachePages):
+                out.setdefault(spec.info.page.pool, []).append((name, spec.info.page))
+        return out
+
+    def _pools(self, pages, cache_bytes, given: dict) -> dict[str, PagePool]:
+        specs = self._page_specs()
+        if pages is not None and cache_bytes is not None:
+            raise ValueError("give pages or cache_bytes, not both")
+        brought = {pool: given[name].shape[0] for pool, entries in specs.items() for name, _ in entries
+                   if isinstance(given.get(name), torch.Tensor) and given[name].dim() == 2}
+        if brought and pages is None and cache_bytes is None:
+            pages = brought if set(brought) == set(specs) else None  # caller-owned pages: their count
+        first = {pool: entries[0][1] for pool, entries in specs.items()}
+        set_bytes = {pool: sum(p.page_bytes for _, p in entries) for pool, entries in specs.items()}
+        if cache_bytes is not None:
+            # Each pool gets the same number of tokens out of the budget.
+            per_token = sum(set_bytes[p] / first[p].tokens_per_page for p in specs) or 1
+            tokens = int(cache_bytes // per_token) if isinstance(cache_bytes, int) and cache_bytes > 0 else 0
+            counts = {p: tokens // first[p].tokens_per_page for p in specs}
+        elif pages is None:
+            counts = {p: self.slots * first[p].pages_per_slot for p in specs}  # every slot at max_seq_len
+        elif isinstance(pages, dict):
+            if set(pages) != set(specs):
+                raise ValueError(f"pages: {sorted(pages)} given; this package's page pools are {sorted(specs)}")
+            counts = dict(pages)
+        else:
+            counts = {p: pages for p in specs}
+        for pool, count in counts.items():
+            if not (isinstance(count, int) and not isinstance(count, bool) and count >= 1):
+                what = f"cache_bytes={cache_bytes!r} holds" if cache_bytes is not None else "pages:"
+                raise ValueError(f"{what} {count!r} pages of pool {pool}; expected at least 1 "
+                                 f"({set_bytes[pool]} bytes per page across its caches)")
+        return {p: PagePool(p, counts[p], first[p].tokens_per_page, first[p].pages_per_slot, set_bytes[p])
+                for p in specs}
+
+    def _paged_caches(self) -> dict[str, dict]:
+        return {pool: {name: self.caches[name] for name, _ in entries} for pool, entries in self._page_specs().items()}
+
     def _bind(self, given: dict) -> None:
-        symbols = {"slots": self.slots + 1, "rows": self.max_rows}
+        symbols = {"slots": self.slots + 1, "rows": self.max_rows, **{p: pool.count for p, pool in self.pools.items()}}
         specs = self._shared_specs()
         unknown = set(given) - set(specs)
         if unknown:
@@ -101,8 +155,10 @@ class Session:
             args, spec = pytree.tree_flatten(((self.weights_for(info), caches, staging, inputs), {}))
             if spec != info.program.call_spec.in_spec:
                 raise BufferError(f"pass {info.name}: bound buffers do not match the graph's inputs")
+            padding = {name: -1 if name in info.block_tables.values() else 0 for name in inputs}
+            padding[info.input_of("slot_ids")] = self.scratch_slot
             buckets[rows] = Bucket(rows, inputs, outputs, staging, graph, args, info.program.call_spec.out_spec,
-                                   info.input_of("slot_ids"))
+                                   padding)
             self.graphs.add(info.name, buckets[rows])
         if not buckets:
             raise BufferError(f"pass {info.name}: no rows bucket fits max_rows={self.max_rows}; buckets {info.rows_buckets}")
@@ -119,14 +175,31 @@ class Session:
             raise ValueError(f"unknown pass {pass_name!r}; this package has {sorted(self.buckets)}")
         info = self.package.passes[pass_name]
         tensors = validate_inputs(self, info, values)
-        n = tensors[info.input_of("slot_ids")].shape[0]
+        slots = tensors[info.input_of("slot_ids")]
+        n = slots.shape[0]
+        if info.block_tables and not any(name in values for name in info.block_tables.values()):
+            self._give_pages(info, tensors)
         bucket = self.bucket_for(pass_name, n)
         for name, static in bucket.inputs.items():
             static[:n].copy_(tensors[name])
-            static[n:] = self.scratch_slot if name == bucket.slot_input else 0
+            static[n:] = bucket.padding[name]
         self.graphs.replay(pass_name, bucket)  # CUDA: one graph replay; CPU: the graph, run directly
         self._advance(info, tensors)
         return {name: out[:n] for name, out in bucket.outputs.items()}
+
+    def _give_pages(self, info, tensors: dict) -> None:
+        """Session-owned pages: grow each row's pages to what the pass reads and writes, then
+        take its block tables from the session's. Nothing is written unless every row fits."""
+        slots = tensors[info.input_of("slot_ids")].tolist()
+        starts = tensors[info.input_of("positions")].tolist()
+        counts = tensors[info.advances].tolist() if info.advances else [0] * len(slots)
+        try:
+            self.pages.grow([(slot, start, start + count) for slot, start, count in zip(slots, starts, counts)])
+        except PagesExhausted as exc:
+            raise PagesExhausted(f"pass {info.name}: {exc}") from None
+        index = tensors[info.input_of("slot_ids")].long()
+        for pool, name in info.block_tables.items():
+            tensors[name] = self.pages.tables[pool][index]
 
     def weights_for(self, info) -> dict:
         return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}
@@ -141,11 +214,18 @@ class Session:
             self.seq_lens[slot] = pos + count
 
     def reset_slot(self, slot: int) -> None:
-        """Hand a slot to a new request: its old rows become invisible (positions restart)."""
+        """Hand a slot to a new request: its old rows become invisible (positions restart) and
+        its pages go back to their pools; pages reserved for the slot stay reserved."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is out of range [0, {self.slots})")
         self.seq_lens[slot] = 0
         self.caches[self.seq_len_buffer][slot] = 0
+        self.pages.release_slot(slot)
+
+    def retire_slot(self, slot: int) -> None:
+        """reset_slot, and return the slot's reserved pages too: nobody is waiting to use them."""
+        self.reset_slot(slot)
+        self.pages.unreserve_slot(slot)
 
     def reusable_storage(self) -> list[torch.Tensor]:
         """Every buffer a replay may overwrite without notice: staging, static inputs, outputs."""
@@ -156,13 +236,14 @@ class Session:
         return out
 
     def poison(self, keep_staging: bool = False) -> None:
-        """Fill reusable storage with garbage (0xFF bytes, NaN floats, -1 integers).
+        """Fill reusable storage and free pages with garbage (0xFF bytes, NaN floats, -1 integers).
 
         Replays must not read anything they did not write first; tests and the verify
         command call this before each replay to prove it. keep_staging spares the staging
         buffers (commit reads what verify staged).
         """
         keep = {t.data_ptr() for t in self.staging.values()} if keep_staging else set()
+        self.poison_free_pages()
         for tensor in self.reusable_storage():
             if tensor.data_ptr() in keep:
                 continue
@@ -172,6 +253,14 @@ class Session:
                 tensor.fill_(float("nan"))
             else:
                 tensor.fill_(-1)
+
+    def poison_free_pages(self) -> None:
+        """0xFF in every page no slot or snapshot holds: what a replay must never read."""
+        for pool, ids in self.pages.free_pages().items():
+            if ids:
+                index = torch.tensor(ids, dtype=torch.long, device=self.device)
+                for cache in self.pages.caches[pool].values():
+                    cache[index] = 0xFF
 
     def buffer_addresses(self) -> dict[str, tuple[int, int]]:
         """(data pointer, bytes) of every caller-owned buffer and static input/output."""

@@ -52,6 +52,13 @@ def validate_inputs(session, info, values: dict) -> dict[str, torch.Tensor]:
     """Check a replay's values against the pass; inputs are found by their recorded kind
     (slot ids, positions, token ids, the count that `advances` names), not by name."""
     specs = {s.name: s for s in info.inputs if s.role == "input"}
+    tables = set(info.block_tables.values())
+    given_tables = tables & set(values)
+    if given_tables and given_tables != tables:
+        raise InputError(f"pass {info.name}: block tables {sorted(given_tables)} given without {sorted(tables - given_tables)}; "
+                         "give every block table (caller-owned pages) or none (the session's pages)")
+    if not given_tables:  # the session fills them from its own pages
+        specs = {n: s for n, s in specs.items() if n not in tables}
     unknown, missing = set(values) - set(specs), set(specs) - set(values)
     if unknown or missing:
         raise InputError(f"pass {info.name}: inputs {sorted(specs)} expected; "
@@ -84,4 +91,20 @@ def validate_inputs(session, info, values: dict) -> dict[str, torch.Tensor]:
     reach = tensors[positions].long() + (tensors[step].long() if step else info.width)
     _in_range(positions, reach, 0, model["max_seq_len"] + 1,
               f"{positions} + {step or 'width'} within max_seq_len")
+    for pool, name in info.block_tables.items():
+        if name in tensors:
+            _check_block_table(name, tensors[name], session.pools[pool], tensors[positions].long(),
+                               tensors[step].long() if step else torch.zeros_like(reach))
     return tensors
+
+
+def _check_block_table(name: str, table: torch.Tensor, pool, positions, counts) -> None:
+    """Caller-owned pages: ids in [-1, pages), and a page wherever the pass reads or writes."""
+    _in_range(name, table, -1, pool.count, f"a page id of pool {pool.name} (or -1)")
+    needed = -(-(positions + counts) // pool.tokens_per_page)
+    columns = torch.arange(table.shape[1], device=table.device)[None, :]
+    missing = (columns < needed.to(table.device)[:, None]) & (table < 0)
+    if bool(missing.any()):
+        row, column = (int(v) for v in missing.nonzero()[0])
+        raise InputError(f"{name}: row {row} has no page at column {column}; the pass reads or writes its tokens "
+                         f"up to {int(positions[row] + counts[row])} ({pool.tokens_per_page} per page)")

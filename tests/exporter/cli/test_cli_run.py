@@ -76,9 +76,13 @@ def test_run_serves_prompt_files_with_per_request_limits(fused_pkg, fused_path, 
 
 def test_run_sampling_is_seeded(fused_pkg, fused_path):
     result = invoke(fused_path, "--prompt-ids", "1,2,3", "--prompt-ids", "4", "--max-new-tokens", 6,
-                    "--temperature", 0.8, "--seed", 3)
+                    "--temperature", 0.8, "--seed", 3, "--pages", 5)
     assert result.exit_code == 0, result.output
     assert "speculative sampling" in result.output
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in result.output.splitlines()]
+    pools = {row[0]: row[1:] for row in cells if row and row[0].endswith("_pages")}
+    assert sorted(pools) == ["entry_pages", "index_key_pages"]
+    assert all(row[:3] == ["5", "0", "5"] for row in pools.values())  # 5 pages, none held at the end, 5 free
     # The seed reaches the engine: the Python API with the same seed draws the same tokens.
     want = Engine(fused_pkg.session(slots=2), temperature=0.8, seed=3).generate([Request([1, 2, 3], 6), Request([4], 6)])
     assert tokens_by_request(result.output) == {"0": want[0].tokens, "1": want[1].tokens}
@@ -105,6 +109,14 @@ def test_run_refuses_contradictory_options(fused_path):
     assert "give at least one prompt" in invoke(fused_path).output
     result = invoke(fused_path, "--prompt-ids", "1", "--greedy", "--temperature", 0.5)
     assert result.exit_code == 2 and "cannot be combined with --temperature" in result.output
+    result = invoke(fused_path, "--prompt-ids", "1", "--pages", 4, "--cache-bytes", 1000)
+    assert result.exit_code == 2 and "--pages and --cache-bytes both size the paged caches" in result.output
+
+
+def test_run_refuses_a_request_that_can_never_fit(fused_path):
+    result = invoke(fused_path, "--prompt-ids", ",".join(["7"] * 100), "--pages", 2)
+    assert result.exit_code == 1 and "request 0 can never fit this session" in result.output, result.output
+    assert "Traceback" not in result.output and " tokens: " not in result.output
 
 
 def test_the_command_line_starts_without_torch():

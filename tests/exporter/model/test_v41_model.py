@@ -19,6 +19,7 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
 from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES, exported, incremental, relative_rms
+import paging
 
 pytestmark = pytest.mark.slow(minutes=2)  # the module's time on two busy cores: longest runs first
 
@@ -43,11 +44,13 @@ def single_forward(recipe, weights, tokens):
     variant = recipe_variant(recipe, {**FP32_CACHES, "cache.history": n, "passes.prefill.chunk": n, "rewrites": []},
                              name="single-forward")
     module = PASSES["prefill"](Dims.from_recipe(variant))
-    caches = {s.name: torch.zeros(s.resolve({"slots": 2}), dtype=s.torch_dtype) for s in module.caches()}
+    inputs, _ = module.convention()
+    caches = {s.name: torch.zeros(s.resolve(paging.symbols(inputs, 2)), dtype=s.torch_dtype) for s in module.caches()}
     one = torch.tensor([0], dtype=torch.int32)
     with torch.no_grad():
         out = module(weights, caches, {}, {"tokens": torch.tensor([tokens], dtype=torch.int32), "row_ids": one,
-                                           "positions": one * 0, "lengths": one * n})
+                                           "positions": one * 0, "lengths": one * n,
+                                           **paging.block_tables(inputs, one)})
     return out["logits"][0]
 
 
@@ -148,9 +151,11 @@ def test_full_size_cache_bytes_per_token(monkeypatch):
     for name, spec in specs.items():
         if name.endswith(".window"):
             assert spec.shape[-1] == 528
-        elif name.endswith(".compressed") or name.endswith(".index"):
-            assert spec.shape[-1] == (288 if name.endswith(".compressed") else 68)
-            per_token += spec.shape[-1] * spec.shape[1] / d.max_seq_len
+        elif name.endswith(".compressed") or name.endswith(".index"):  # paged: [pool, page_bytes]
+            page = spec.info.page
+            assert page.record_bytes == (288 if name.endswith(".compressed") else 68)
+            assert spec.shape == (page.pool, page.page_bytes) and page.tokens_per_page == 256
+            per_token += page.page_bytes / page.tokens_per_page
     assert sorted(n for n in specs if n.endswith(".compressed")) == [f"cache.layer{i}.compressed" for i in (14, 2, 20, 8)]
     assert per_token == 3 * 144 + 288 + 3 * 34 + 68 == 890
 
@@ -170,7 +175,7 @@ def test_dspark_markov_bias_chains_left_to_right(tiny_recipe, weights):
     d = Dims.from_recipe(tiny_recipe)
     module = PASSES["draft"](d)
     inputs, _ = module.convention()
-    buffers = {s.name: torch.zeros(s.resolve({"slots": 2, "rows": 1}), dtype=s.torch_dtype) for s in inputs
+    buffers = {s.name: torch.zeros(s.resolve(paging.symbols(inputs, 2, 1)), dtype=s.torch_dtype) for s in inputs
                if s.role in ("cache", "staging")}
     caches = {k: v for k, v in buffers.items() if k.startswith("cache.")}
     staging = {k: v for k, v in buffers.items() if k.startswith("staging.")}

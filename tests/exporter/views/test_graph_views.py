@@ -29,10 +29,12 @@ def test_graph_prints_one_node_per_line_with_ops_and_shapes(fused_path, fused_pk
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     ops = _op_nodes(fused_pkg, "verify")
-    assert lines[0] == f"# verify: {len(ops)} op nodes; symbols: rows, slots"
+    assert lines[0] == f"# verify: {len(ops)} op nodes; symbols: entry_pages, index_key_pages, rows, slots"
     assert len(lines) == 1 + len(fused_pkg.passes["verify"].program.graph.nodes)
     assert "%cache.layer0.window : uint8[slots, 128, 66]  (cache)" in lines
     assert "%tokens : int32[rows, 8]  (input)" in lines
+    assert "%cache.layer4.compressed : uint8[entry_pages, 2304]  (cache)" in lines  # 64 records of 36 bytes
+    assert "%entry_block_table : int32[rows, 16]  (input)" in lines
     fused = [line for line in lines if f"= {FUSED}(" in line]
     assert len(fused) == 6
     assert fused[0].endswith("'mxfp8')  # writes %staging.verify.layer0.window")

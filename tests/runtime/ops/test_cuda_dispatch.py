@@ -18,7 +18,7 @@ import torch
 from paths import ROOT
 
 OPS = ("window_snapshot", "cache_append", "window_snapshot_append", "window_read", "window_commit",
-       "write_rows", "gather_rows", "stage_rows", "read_rows", "round_trip", "set_seq_len",
+       "write_rows", "write_slots", "gather_rows", "stage_rows", "read_rows", "round_trip", "set_seq_len",
        "indexer_topk", "candidate_blocks", "sparse_attention")
 
 
@@ -35,7 +35,7 @@ def test_every_op_of_the_set_has_a_backend():
     assert {name: backend_for(name, "cpu") for name in OPS} == dict.fromkeys(OPS, "reference")
     cuda = {name: backend_for(name, "cuda") for name in OPS}
     assert cuda == {**dict.fromkeys(OPS, "triton"), "set_seq_len": "reference"}
-    with pytest.raises(ValueError, match="not an op of op set v2"):
+    with pytest.raises(ValueError, match="not an op of op set v3"):
         backend_for("window_magic", "cuda")
 
 
@@ -69,6 +69,9 @@ def results():
     out["commit"] = ring
     out["read"] = R.window_read(s, 136, 64, "mxfp8")
     out["round_trip"] = R.round_trip(case["kv"], "nvfp4")
+    pages = torch.full((7, 4 * 66), 0xFF, dtype=torch.uint8)  # 4 mxfp8 records of 64 values a page
+    R.write_slots(pages, case["kv"], torch.arange(24).view(3, 8).flip(0) - 1, "mxfp8")  # one -1
+    out["write_slots"] = pages
     return out
 
 before = results()
@@ -79,7 +82,7 @@ def refuse(*args, **kwargs):
     raise AssertionError("a CPU tensor reached a Triton launcher")
 
 triton_window._launch = triton_window._commit = triton_rows._put = triton_rows._get = refuse
-triton_rows._round_trip = refuse
+triton_rows._round_trip = triton_rows._source = refuse
 after = results()
 assert before.keys() == after.keys()
 for k in before:

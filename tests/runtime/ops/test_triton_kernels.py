@@ -1,4 +1,4 @@
-"""The Triton kernels of op set v2 write exactly the reference's bytes.
+"""The Triton kernels of op set v3 write exactly the reference's bytes.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET before they are imported); with one they run on it. Either way every
@@ -237,6 +237,29 @@ def test_write_rows_scatters_only_valid_rows(fmt):
     REF.write_rows(want, values, row_ids, index, valid, fmt)
     got, *args = on_device(cache, values, row_ids, index, valid)
     triton_rows.write_rows(got, *args, fmt)
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want, cache)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ("bytes",))
+@pytest.mark.parametrize("dim", (64, 96))
+def test_write_slots_writes_the_reference_records(fmt, dim):
+    # A paged cache of random bytes, 4 records a page; slots scattered over every page,
+    # some tokens writing nothing (-1): the kernel's bytes are the reference's, all of them.
+    gen = torch.Generator().manual_seed(13 + dim)
+    rows, width, per_page, pages = 3, 8, 4, 9
+    record_bytes = get_format("mxfp8" if fmt == "bytes" else fmt).row_bytes(dim)
+    cache = torch.randint(0, 256, (pages, per_page * record_bytes), dtype=torch.uint8, generator=gen)
+    if fmt == "bytes":
+        values = torch.randint(0, 256, (rows, width, record_bytes), dtype=torch.uint8, generator=gen)
+    else:
+        values = kv_rows(gen, rows, width, dim)
+    slots = torch.randperm(pages * per_page, generator=gen)[: rows * width].view(rows, width)
+    slots = torch.where(torch.rand(rows, width, generator=gen) > 0.3, slots, -1)
+    want = cache.clone()
+    REF.write_slots(want, values, slots, fmt)
+    got, *args = on_device(cache, values, slots.to(torch.int32))
+    triton_rows.write_slots(got, *args, fmt)
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, cache)
 

@@ -3,9 +3,10 @@
 As in test_triton_kernels, the kernels run in Triton's interpreter on CPU tensors here
 (conftest sets TRITON_INTERPRET first) and on the GPU where there is one; the reference
 is `sparse_ops` on the CPU. The int32 index outputs must be identical; attention agrees
-to 1e-5 (an online softmax sums in another order). Every cache in these cases holds
-0xFF bytes (NaN in every format) past each row's committed length, so every comparison
-also shows that nothing past the length is read.
+to 1e-5 (an online softmax sums in another order). Every cache in these cases is paged
+(each row's entries in shuffled pages, `kernel_cases.page_case`) and holds 0xFF bytes (NaN
+in every format) past each row's committed length and in every page no row owns, so
+every comparison also shows that nothing past the length, and no wrong page, is read.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ triton = pytest.importorskip("triton")
 from b12x_toolchain.runtime.ops import opset  # noqa: E402,F401  (registers the references)
 from b12x_toolchain.runtime.ops import cuda_kernels, triton_indexer, triton_sparse  # noqa: E402
 from benchmarks.kernel_cases import (SPARSE_BLOCK_SIZE as BLOCK_SIZE, SPARSE_BLOCKS as BLOCKS,  # noqa: E402
-                                     SPARSE_CASES as CASES, attention_args, blocks_args, small_sparse_case,
-                                     sparse_case_id, topk_args)
+                                     SPARSE_CASES as CASES, attention_args, blocks_args, page_case,
+                                     small_sparse_case, sparse_case_id, topk_args)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REF = torch.ops.b12x_toolchain
@@ -147,18 +148,21 @@ def test_window_only_attention_and_a_query_that_sees_nothing():
 # ---------------------------------------------------------------- lengths, not capacity
 
 
-def test_bytes_past_the_length_and_the_capacity_change_no_bit():
-    # NaN bytes past the length in one run; finite bytes there, and twice the capacity
-    # (0xFF beyond), in the other: every output bit for bit the same, attention included.
+def test_bytes_past_the_length_the_page_layout_and_the_capacity_change_no_bit():
+    # NaN bytes past the length in one run; finite bytes there, other pages for the same
+    # entries and block tables twice as wide (twice the capacity), in the other: every
+    # output bit for bit the same, attention included.
     poisoned = small_sparse_case(CASES[2])
     other = dict(poisoned)
     gen = torch.Generator().manual_seed(3)
-    for name in ("index_cache", "entry_cache"):
-        cache = poisoned[name].clone()
-        for slot, committed in zip(poisoned["row_ids"].tolist(), poisoned["committed"]):
-            stale = cache[slot, committed:]  # finite bytes (below 0x7F) instead of NaN
+    for name in ("index_records", "entry_records"):
+        records = poisoned[name].clone()
+        for r, committed in enumerate(poisoned["committed"]):
+            stale = records[r, committed:]  # finite bytes (below 0x7F) instead of NaN
             stale.copy_(torch.randint(0, 0x7F, stale.shape, dtype=torch.uint8, generator=gen))
-        other[name] = torch.cat([cache, torch.full_like(cache, 0xFF)], dim=1)
+        other[name] = records
+    other = page_case(other, gen, width=2 * poisoned["block_table"].shape[1])
+    assert not torch.equal(other["block_table"][:, :2], poisoned["block_table"][:, :2])
     indices = REF.indexer_topk(*topk_args(poisoned, None, BLOCK_SIZE, 5))
     runs = []
     for case in (poisoned, other):
@@ -224,6 +228,7 @@ def test_gpu_check_length_cases_have_the_full_shapes_and_agree_with_themselves(m
 
     monkeypatch.setattr(gpu_check, "SPARSE_LENGTHS", (16, 64))  # a small capacity: the CPU side only
     case = gpu_check.sparse_length_case(16, exact=True)
-    assert case["q"].shape == (gpu_check.SPARSE_ROWS, 8, 64, 512) and case["entry_cache"].shape[1] == 64 + 64
+    assert case["q"].shape == (gpu_check.SPARSE_ROWS, 8, 64, 512)
+    assert case["block_table"].shape[1] * case["page_entries"] == 64 + 64  # the capacity, in whole pages
     assert case["iq"].shape[-2:] == (32, 64) and case["positions"].tolist() == [16] * gpu_check.SPARSE_ROWS
     assert gpu_check.compare_sparse(REF, case, "cpu", gpu_check.SPARSE_FULL_BLOCK, 4, 8) == []

@@ -30,10 +30,19 @@ def _expected_buffers(d: Dims) -> dict[str, dict]:
     """Every cache and staging buffer of the tiny recipe, written out from the recipe's numbers."""
     page = {"layout": d.layout, "page_size": d.page_size}
     out = {"cache.seq_len": {**NULLS, "kind": "seq_len"}}
+    tokens = {"compressed_entries": d.entry_page_tokens, "index_keys": d.index_page_tokens}
+    pools = {"compressed_entries": "entry_pages", "index_keys": "index_key_pages"}
     for i in range(d.layers):
         for c in owned_caches(d, i):
             rows = {"format": c.fmt, "dims": c.dims, "ratio": c.ratio}
-            out[f"cache.{c.name}"] = {**NULLS, **rows, "kind": c.kind, "layer": i, "rows_per_slot": c.rows}
+            if c.kind in pools:  # paged: the page spec an engine allocates by
+                per_page, record = tokens[c.kind] // c.ratio, get_format(c.fmt).row_bytes(c.dims)
+                spec = {"pool": pools[c.kind], "tokens_per_entry": c.ratio, "tokens_per_page": tokens[c.kind],
+                        "entries_per_page": per_page, "record_bytes": record, "page_bytes": per_page * record,
+                        "alignment": record, "pages_per_slot": d.max_seq_len // tokens[c.kind], "layout": "entry_major"}
+                out[f"cache.{c.name}"] = {**NULLS, **rows, "kind": c.kind, "layer": i, "page": spec}
+            else:
+                out[f"cache.{c.name}"] = {**NULLS, **rows, "kind": c.kind, "layer": i, "rows_per_slot": c.rows}
             staged = {**NULLS, **rows, "kind": STAGING_KIND[c.kind], "layer": i}
             out[f"staging.verify.{c.name}"] = {**staged, "page": page} if c.kind == "window_ring" else staged
     window = {"format": d.window_format, "dims": d.head_dim, "ratio": 1}
@@ -47,16 +56,17 @@ def _expected_buffers(d: Dims) -> dict[str, dict]:
 
 def test_tiny_package_records_what_every_buffer_is(fused_pkg, tiny_recipe):
     d, m = Dims.from_recipe(tiny_recipe), fused_pkg.manifest
-    assert m["format_version"] == "2.0" and m["opset_version"] == 2
+    assert m["format_version"] == "3.0" and m["opset_version"] == 3
     assert m["buffers"] == _expected_buffers(d)
     specs = {s["name"]: s for e in m["passes"].values() for s in e["inputs"] if s["role"] in ("cache", "staging")}
     assert set(specs) == set(m["buffers"])
     for name, info in m["buffers"].items():
-        if info["format"] is not None:  # the recorded rows decode: format and dims give the row bytes
-            assert specs[name]["shape"][-1] == get_format(info["format"]).row_bytes(info["dims"]), name
-        if info["kind"] in ("compressed_entries", "index_keys"):
+        if info["kind"] in ("compressed_entries", "index_keys"):  # [pool, page_bytes], records of format and dims
             assert info["ratio"] == d.ratios[info["layer"]] > 0
-            assert info["rows_per_slot"] == d.max_seq_len // info["ratio"]
+            assert specs[name]["shape"] == [info["page"]["pool"], info["page"]["page_bytes"]]
+            assert info["page"]["record_bytes"] == get_format(info["format"]).row_bytes(info["dims"])
+        elif info["format"] is not None:  # the recorded rows decode: format and dims give the row bytes
+            assert specs[name]["shape"][-1] == get_format(info["format"]).row_bytes(info["dims"]), name
     assert {n: m["buffers"][n]["kind"] for n in ("cache.layer2.state", "cache.layer4.compressed", "cache.layer4.index",
                                                  "staging.verify.layer2.state")} == {
         "cache.layer2.state": "compressor_state", "cache.layer4.compressed": "compressed_entries",
@@ -69,10 +79,14 @@ def test_tiny_package_records_what_every_pass_does(fused_pkg, tiny_recipe):
         "prefill": (d.prefill_chunk, "lengths", None), "verify": (8, None, None), "draft": (7, None, None),
         "commit": (8, "accept_len", "verify")}
     base = {"row_ids": "slot_ids", "positions": "positions"}
+    paged = {**base, "entry_block_table": "entry_block_table", "index_key_block_table": "index_key_block_table"}
     assert {n: e["row_inputs"] for n, e in passes.items()} == {
-        "prefill": {**base, "tokens": "token_ids", "lengths": "new_tokens"},
-        "verify": {**base, "tokens": "token_ids"}, "draft": {**base, "tokens": "token_ids"},
-        "commit": {**base, "accept_len": "accepted_tokens"}}
+        "prefill": {**paged, "tokens": "token_ids", "lengths": "new_tokens"},
+        "verify": {**paged, "tokens": "token_ids"}, "draft": {**base, "tokens": "token_ids"},
+        "commit": {**paged, "accept_len": "accepted_tokens"}}
+    tables = {s["name"]: s["shape"] for s in passes["prefill"]["inputs"] if s["name"].endswith("block_table")}
+    assert tables == {"entry_block_table": ["rows", d.max_seq_len // d.entry_page_tokens],
+                      "index_key_block_table": ["rows", d.max_seq_len // d.index_page_tokens]}
     # The loaded specs carry what the manifest records.
     for info in fused_pkg.passes.values():
         assert (info.advances, info.reads_staging_of) == (passes[info.name]["advances"],
@@ -94,7 +108,7 @@ def test_the_fingerprint_covers_buffer_and_pass_data_but_not_buckets(tiny_recipe
 # -- versions ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1"])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "2.0"])
 def test_a_format_1_package_is_refused_with_the_re_export_advice(tiny_recipe, tmp_path, version):
     m = edited(contract_manifest(tiny_recipe), lambda x: x.update(format_version=version))
     with pytest.raises(PackageError, match=rf"format_version {version} is older .*re-export it with this version of "
@@ -102,20 +116,21 @@ def test_a_format_1_package_is_refused_with_the_re_export_advice(tiny_recipe, tm
         read_back(m, tmp_path)
 
 
-def test_an_op_set_1_package_is_refused_with_the_re_export_advice(tiny_recipe, tmp_path):
-    m = edited(contract_manifest(tiny_recipe), lambda x: x.update(opset_version=1))
-    with pytest.raises(PackageError, match=r"opset_version 1 is unknown; this runtime has op set 2: re-export it with "
+@pytest.mark.parametrize("old", [1, 2])
+def test_an_older_op_set_package_is_refused_with_the_re_export_advice(tiny_recipe, tmp_path, old):
+    m = edited(contract_manifest(tiny_recipe), lambda x: x.update(opset_version=old))
+    with pytest.raises(PackageError, match=rf"opset_version {old} is unknown; this runtime has op set 3: re-export it with "
                                            r"this version of b12x \(b12x export --recipe dsv41-tiny\)"):
         read_back(m, tmp_path)
 
 
 def test_a_newer_format_or_op_set_asks_for_a_newer_b12x(tiny_recipe, tmp_path):
     base = contract_manifest(tiny_recipe)
-    with pytest.raises(PackageError, match=r"format_version 3\.0 is not supported .*reads 2\.0 to 2\.0.*newer b12x"):
-        read_back(edited(base, lambda x: x.update(format_version="3.0")), tmp_path)
-    with pytest.raises(PackageError, match=r"opset_version 3 is unknown; .*not an op set this runtime knows"):
-        read_back(edited(base, lambda x: x.update(opset_version=3)), tmp_path)
-    assert read_back(base, tmp_path)["format_version"] == "2.0"  # the unedited manifest reads
+    with pytest.raises(PackageError, match=r"format_version 4\.0 is not supported .*reads 3\.0 to 3\.0.*newer b12x"):
+        read_back(edited(base, lambda x: x.update(format_version="4.0")), tmp_path)
+    with pytest.raises(PackageError, match=r"opset_version 4 is unknown; .*not an op set this runtime knows"):
+        read_back(edited(base, lambda x: x.update(opset_version=4)), tmp_path)
+    assert read_back(base, tmp_path)["format_version"] == "3.0"  # the unedited manifest reads
 
 
 # -- malformed data -----------------------------------------------------------------------------

@@ -18,8 +18,11 @@ import torch
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.abi import BufferSpec
-from b12x_toolchain.runtime.package.contract import BufferInfo
+from b12x_toolchain.runtime.package.contract import BufferInfo, CachePages
 from b12x_toolchain.runtime.prefix.snapshot import LayoutError, SnapshotCodec, cache_layout, capabilities
+from b12x_toolchain.runtime.session.page_tables import PageTables
+from b12x_toolchain.runtime.session.pages import PagePool
+import paging
 
 OLD_NAMES = (re.compile(r"^cache\.layer(\d+)\.(window|compressed|state|index|index_state)$"),
              re.compile(r"^cache\.draft(\d+)\.(window|hidden)$"), re.compile(r"^cache\.seq_len$"))
@@ -52,22 +55,32 @@ def test_a_cache_without_a_known_kind_turns_snapshots_off(specs):
     unknown = BufferSpec("cache.layer0.window", "cache", "uint8", ("slots", 128, 66))
     with pytest.raises(LayoutError, match=r"cache\.layer0\.window: the snapshot codec does not know cache kind None"):
         cache_layout([unknown, *caches[1:]], max_seq_len)
-    # An entry cache whose rows do not cover max_seq_len at its ratio.
+    # A paged entry cache whose block table cannot cover max_seq_len.
     entries = next(s for s in caches if s.info.kind == "compressed_entries")
-    short = dataclasses.replace(entries, shape=("slots", 8, entries.shape[2]),
-                                info=dataclasses.replace(entries.info, rows_per_slot=8))
+    short = dataclasses.replace(entries, info=dataclasses.replace(
+        entries.info, page=dataclasses.replace(entries.info.page, pages_per_slot=1)))
     assert not capabilities([short if s is entries else s for s in caches], max_seq_len)["supports_prefix_snapshot"]
 
 
 def _fake(specs, max_seq_len):
-    """A package and a session of two slots (plus scratch) holding random bytes: all the codec touches."""
-    package = SimpleNamespace(manifest={"model": {"max_seq_len": max_seq_len}, "format_version": "2.0"},
+    """A package and a session of two slots (plus scratch) holding random bytes, pages included:
+    all the codec touches. Slot 0 holds pages for LENGTH tokens."""
+    package = SimpleNamespace(manifest={"model": {"max_seq_len": max_seq_len}, "format_version": "3.0"},
                               passes={"ingest": SimpleNamespace(inputs=specs)})
     gen = torch.Generator().manual_seed(0)
-    caches = {s.name: torch.randint(0, 256, s.resolve({"slots": 3}), generator=gen, dtype=torch.uint8)
+    caches = {s.name: torch.randint(0, 256, s.resolve(paging.symbols(specs, 3)), generator=gen, dtype=torch.uint8)
               if s.dtype == "uint8" else torch.zeros(3, dtype=torch.int32) for s in specs}
-    session = SimpleNamespace(package=package, slots=2, caches=caches, seq_lens=[0, 0, 0])
-    session.reset_slot = lambda slot: session.seq_lens.__setitem__(slot, 0)
+    paged = {}
+    for s in specs:
+        if isinstance(s.info.page, CachePages):
+            paged.setdefault(s.info.page.pool, []).append(s)
+    pools = {pool: PagePool(pool, caches[group[0].name].shape[0], group[0].info.page.tokens_per_page,
+                            group[0].info.page.pages_per_slot, sum(g.info.page.page_bytes for g in group))
+             for pool, group in paged.items()}
+    tables = PageTables(pools, {pool: {g.name: caches[g.name] for g in group} for pool, group in paged.items()}, 2, "cpu")
+    tables.grow([(0, 0, LENGTH)])
+    session = SimpleNamespace(package=package, slots=2, caches=caches, seq_lens=[0, 0, 0], pages=tables, device="cpu")
+    session.reset_slot = lambda slot: (session.seq_lens.__setitem__(slot, 0), tables.release_slot(slot))
     return package, session
 
 
@@ -82,6 +95,12 @@ def test_capture_and_hydrate_under_other_names(specs):
     assert session.seq_lens[1] == LENGTH and int(session.caches[length_name][1]) == LENGTH
     for name, kind in codec.layout.items():
         rows = kind.rows(LENGTH)
-        assert rows > 0 and torch.equal(session.caches[name][1, :rows], session.caches[name][0, :rows]), name
+        if kind.kind == "ring":
+            assert rows > 0 and torch.equal(session.caches[name][1, :rows], session.caches[name][0, :rows]), name
+            continue
+        live = [session.caches[name][session.pages.held[kind.pool][slot]].view(-1, kind.row_bytes)[:rows]
+                for slot in (0, 1)]
+        assert session.pages.held[kind.pool][1] != session.pages.held[kind.pool][0]  # copied into other pages
+        assert rows > 0 and torch.equal(live[0], live[1]), name
     rings = {k.capacity for k in codec.layout.values() if k.window}
     assert codec.wrapped(LENGTH) and rings == {128}

@@ -39,12 +39,21 @@ def test_hydrated_slot_continues_bitwise(fused_pkg, session, length, tmp_path):
     window, compressed = snap.meta["cache.layer0.window"], snap.meta["cache.layer4.compressed"]
     assert window == {"kind": "ring", "capacity": 128, "row_bytes": 66, "rows": min(length, 128),
                       "ring_index": length % 128, "offset": length}
-    assert compressed == {"kind": "append", "ratio": 1, "row_bytes": 36, "rows": length, "offset": length}
+    pages = -(-length // 64)  # whole 64-token pages of 64 ratio-1 records of 36 bytes
+    assert compressed == {"kind": "paged", "ratio": 1, "row_bytes": 36, "rows": length, "offset": length,
+                          "pool": "entry_pages", "tokens_per_page": 64, "page_bytes": 64 * 36, "pages": pages}
     assert snap.meta["cache.layer2.compressed"]["rows"] == length // 2
     assert snap.meta["cache.layer2.state"]["ring_index"] == length % 2
     assert {"cache.draft0.window", "cache.draft1.window"} <= set(snap.caches)
     for name, rows in snap.caches.items():
-        assert torch.equal(rows, session.caches[name][0, : rows.shape[0]]), name
+        kind = codec.layout[name]
+        if kind.kind == "ring":
+            assert torch.equal(rows, session.caches[name][0, : rows.shape[0]]), name
+            continue
+        held = session.pages.held[kind.pool][0][: kind.pages(length)]
+        records, stored = session.caches[name][held].view(-1, kind.row_bytes), rows.view(-1, kind.row_bytes)
+        live = kind.rows(length)
+        assert torch.equal(stored[:live], records[:live]) and not stored[live:].any(), name  # dead records zeroed
     kept = clone(snap)
 
     l1 = L1Cache(1 << 30)
@@ -125,8 +134,9 @@ def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(fused
     layout = package_layout(fused_pkg)
     kinds = {name: (k.kind, k.window) for name, k in layout.items()}
     assert kinds["cache.layer0.window"] == ("ring", True) and kinds["cache.draft1.window"] == ("ring", True)
-    assert kinds["cache.layer2.state"] == ("ring", False) and kinds["cache.layer4.compressed"] == ("append", False)
-    assert kinds["cache.layer4.index"] == ("append", False)
+    assert kinds["cache.layer2.state"] == ("ring", False) and kinds["cache.layer4.compressed"] == ("paged", False)
+    assert kinds["cache.layer4.index"] == ("paged", False)
+    assert layout["cache.layer4.index"].pool == "index_key_pages" and layout["cache.layer4.index"].tokens_per_page == 32
     assert "cache.layer5.compressed" not in kinds  # a Reindex layer owns only its window
     assert fused_pkg.manifest["model"]["capabilities"] == {"supports_prefix_snapshot": True,
                                                            "supports_rotating_cache_snapshot": True}

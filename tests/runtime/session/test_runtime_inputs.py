@@ -7,6 +7,7 @@ import torch
 
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from b12x_toolchain.runtime.session.validate import BufferError, InputError
+import paging
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,9 @@ def specs(fused_pkg):
 
 
 def _good(spec, slots=2, rows=8):
-    return torch.zeros(spec.resolve({"slots": slots + 1, "rows": rows}), dtype=spec.torch_dtype)
+    """What the session would allocate: pools of its default size (every slot at max_seq_len)."""
+    return torch.zeros(spec.resolve({**paging.symbols([spec], slots), "slots": slots + 1, "rows": rows}),
+                       dtype=spec.torch_dtype)
 
 
 FAULTS = {

@@ -74,12 +74,14 @@ def test_commit_leaves_caches_like_prefill(consistency):
         cache_b = b.caches[name]
         if cache_a.dtype != torch.uint8:
             continue
+        fmt, dim = _format_of(name)
+        # Rows of rings and records of pages alike (both sessions hand out pages in one order).
+        cache_a, cache_b = (c.reshape(-1, get_format(fmt).row_bytes(dim)) for c in (cache_a, cache_b))
         # Which rows were written (ring indices, compressed slots, state rows) must match exactly.
         written_a, written_b = (cache_a != 0xFF).any(-1), (cache_b != 0xFF).any(-1)
         assert torch.equal(written_a, written_b), name
         assert written_a.any(), f"{name} was never written: the comparison would be empty"
         rows_a, rows_b = cache_a[written_a], cache_b[written_b]
-        fmt, dim = _format_of(name)
         if fmt != "fp32":
             # Both sides compute the same fp32 values in different batch shapes (chunk 64
             # vs width 8), so they differ only by float reassociation (~1e-6 relative).

@@ -52,4 +52,5 @@ def test_padding_rows_point_at_the_scratch_slot(renamed):
     session = renamed.session(slots=3, max_rows=4)
     session.replay("check", tokens=[[1] * 8] * 3, row_ids=[0, 1, 2], positions=[0, 0, 0])  # bucket 4: one padding row
     bucket = session.bucket_for("check", 3)
-    assert bucket.slot_input == "row_ids" and bucket.inputs["row_ids"].tolist() == [0, 1, 2, session.scratch_slot]
+    assert bucket.padding["row_ids"] == session.scratch_slot
+    assert bucket.inputs["row_ids"].tolist() == [0, 1, 2, session.scratch_slot]
