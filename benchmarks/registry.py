@@ -35,7 +35,7 @@ class Settings:
     repeat: int = 20  # timed A/B rounds per case
     warmup: int = 2  # untimed rounds first: the first replays pay one-off allocation and dispatch costs
     packages: tuple | None = None  # (fused, unfused) package paths of the replay recipe, reused instead of exported
-    exports: Path | None = None  # context_scaling: export its variants here, reusing the ones already there
+    exports: Path | None = None  # context_scaling, paged_memory, prefix_hit_ttft: export variants here, reused
 
 
 @dataclass

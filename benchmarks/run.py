@@ -78,8 +78,13 @@ def table(measurements: list) -> Table:
         out.add_column(name, justify=justify)
     for m in measurements:
         out.add_row(m.benchmark, m.case, format_value(m.baseline, m.unit), format_value(m.candidate, m.unit),
-                    f"{m.ratio:.3f}")
+                    format_ratio(m.ratio))
     return out
+
+
+def format_ratio(ratio: float) -> str:
+    # Byte counts can differ by orders of magnitude: a tiny ratio keeps its digits.
+    return f"{ratio:.3f}" if ratio == 0 or abs(ratio) >= 0.01 else f"{ratio:.2e}"
 
 
 def run(benchmarks: dict, names: list[str], settings: Settings, console: Console) -> list:
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packages", metavar="PKG", type=Path, nargs=2,
                         help="replay: reuse these fused and unfused packages of its recipe instead of exporting them")
     parser.add_argument("--exports", metavar="DIR", type=Path,
-                        help="context_scaling: export its recipe variants into DIR, reusing those already there")
+                        help="context_scaling, paged_memory, prefix_hit_ttft: export their recipe variants into DIR, "
+                             "reusing those already there")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
         parser.error("--repeat and --threads must be at least 1, --warmup at least 0")
