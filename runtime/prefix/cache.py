@@ -167,7 +167,8 @@ class PrefixCache:
         if not self.enabled or not self._usable(len(tokens)):
             return None
         try:
-            snap = self.codec.capture(session, slot, tokens, logits, by_reference=self.l1 is not None)
+            by_reference = self.l1 is not None and not session.pages.contiguous
+            snap = self.codec.capture(session, slot, tokens, logits, by_reference=by_reference)
         except PagesExhausted:  # no free page for the copy of a partly filled page: skip this one
             with self._lock:
                 self.stats.page_drops += 1

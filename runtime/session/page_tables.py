@@ -20,8 +20,16 @@ from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 
 
 class PageTables:
-    def __init__(self, pools: dict[str, PagePool], caches: dict[str, dict[str, torch.Tensor]], slots: int, device):
+    def __init__(self, pools: dict[str, PagePool], caches: dict[str, dict[str, torch.Tensor]], slots: int, device,
+                 contiguous: bool = False):
+        """contiguous: slot s always gets pages s * pages_per_slot + i, in order, so each slot's
+        entries lie in one run of memory as in a per-slot cache (pools must hold every slot)."""
         self.pools, self.caches = pools, caches  # caches: pool -> cache name -> [pages, page_bytes]
+        self.contiguous = contiguous
+        for name, pool in pools.items():
+            if contiguous and pool.count < slots * pool.pages_per_slot:
+                raise ValueError(f"pool {name}: contiguous placement needs {slots * pool.pages_per_slot} pages "
+                                 f"({slots} slots x {pool.pages_per_slot}), the pool has {pool.count}")
         self.held = {p: [[] for _ in range(slots + 1)] for p in pools}
         self.reserved = {p: [0] * (slots + 1) for p in pools}
         self.tables = {p: torch.full((slots + 1, pool.pages_per_slot), -1, dtype=torch.int32, device=device)
@@ -31,9 +39,11 @@ class PageTables:
 
     # -- growth and copy-on-write -------------------------------------------------------------
 
-    def _take(self, pool: str, slot: int) -> int:
+    def _take(self, pool: str, slot: int, index: int | None = None) -> int:
+        """A page for position `index` of the slot's block table (contiguous placement needs it)."""
         reserved = self.reserved[pool][slot] > 0
-        page = self.pools[pool].take(reserved=reserved)
+        place = slot * self.pools[pool].pages_per_slot + index if self.contiguous and index is not None else None
+        page = self.pools[pool].take(reserved=reserved, page=place)
         self.reserved[pool][slot] -= reserved
         return page
 
@@ -87,11 +97,11 @@ class PageTables:
                 if pool.refs[held[index]] > 1:
                     self._copy_on_write(name, slot, index)
             while len(held) < pool.pages_for(end):
-                self._set(name, slot, len(held), self._take(name, slot))
+                self._set(name, slot, len(held), self._take(name, slot, len(held)))
 
     def _copy_on_write(self, name: str, slot: int, index: int) -> None:
         pool, old = self.pools[name], self.held[name][slot][index]
-        new = self._take(name, slot)
+        new = self._take(name, slot, index)
         for cache in self.caches[name].values():
             cache[new].copy_(cache[old])
         pool.release(old)
@@ -134,6 +144,8 @@ class PageTables:
         of it in a free page (never a reserved one); PagesExhausted, changing nothing,
         when a pool has none.
         """
+        if self.contiguous:
+            raise PagesExhausted("contiguous placement gives every page to one slot; it shares none with snapshots")
         partial = {name: tokens % pool.tokens_per_page != 0 for name, pool in self.pools.items()}
         for name, pool in self.pools.items():
             if partial[name] and pool.available < 1:
@@ -177,7 +189,7 @@ class PageTables:
                                      f"{self.pools[name].available} can be had")
         for name, caches in data.items():
             for index in range(counts.get(name, 0)):
-                page = self._take(name, slot)
+                page = self._take(name, slot, index)
                 for cache_name, rows in caches.items():
                     self.caches[name][cache_name][page].copy_(rows[index])
                 self._set(name, slot, index, page)

@@ -57,12 +57,19 @@ class PagePool:
         """Free pages nobody has reserved."""
         return len(self._free) - self.reserved
 
-    def take(self, reserved: bool = False) -> int:
+    def take(self, reserved: bool = False, page: int | None = None) -> int:
+        """The lowest free page, or `page` if given (it must be free): a placement policy's choice."""
         if not self._free or (not reserved and self.available < 1):
             raise PagesExhausted(f"pool {self.name}: all {self.count} pages are in use or reserved")
         if reserved:
             self.reserved -= 1
-        page = heapq.heappop(self._free)
+        if page is None:
+            page = heapq.heappop(self._free)
+        else:
+            if self.refs[page]:
+                raise ValueError(f"pool {self.name}: page {page} is in use")
+            self._free.remove(page)
+            heapq.heapify(self._free)
         self.refs[page] = 1
         self.allocated += 1
         return page

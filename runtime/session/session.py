@@ -10,7 +10,8 @@ before a replay changes no output.
 Compressed entries and index keys are paged (page_tables.py). By default the session owns
 the pages: `pages` (per pool, or one count for all), a `cache_bytes` budget for them, or
 else enough for every slot to reach max_seq_len; a replay then gives each row the pages
-its tokens need and fills the block-table inputs itself. A caller that owns its pages
+its tokens need and fills the block-table inputs itself. `contiguous` places slot s's
+pages at s * pages_per_slot onwards, in order: the per-slot layout of format 2's caches. A caller that owns its pages
 passes the block tables instead, and the session only checks them.
 """
 
@@ -52,7 +53,7 @@ class Bucket:
 
 class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
-                 pages: int | dict | None = None, cache_bytes: int | None = None):
+                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.package, self.device = package, torch.device(device)
@@ -64,7 +65,7 @@ class Session:
         self.caches, self.staging = {}, {}
         self.pools = self._pools(pages, cache_bytes, buffers or {})
         self._bind(buffers or {})
-        self.pages = PageTables(self.pools, self._paged_caches(), slots, self.device)
+        self.pages = PageTables(self.pools, self._paged_caches(), slots, self.device, contiguous)
         # The cache that holds committed lengths, by its recorded kind (contract.py).
         lengths = [n for n, s in self._shared_specs().items() if s.info is not None and s.info.kind == "seq_len"]
         if len(lengths) != 1:

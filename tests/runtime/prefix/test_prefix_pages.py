@@ -18,7 +18,8 @@ from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from conftest import once_per_run, random_tokens, recipe_variant
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=1)]
+# No slow mark: scheduled after the modules that build the 64k export, it never waits for it.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PREFIX, CHUNK = 3_900, 64
 

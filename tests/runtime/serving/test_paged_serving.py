@@ -1,10 +1,10 @@
 """Paged caches serve exactly like the contiguous layout, whatever pages requests get.
 
-The contiguous layout is the same recipe with one page per slot (tokens_per_page =
-max_seq_len): each slot's entries are one run of memory, as before paging. The paged
-package (64 / 32 tokens per page) runs with a pool far smaller than every slot at
-max_seq_len would need, so requests wait for pages, pages change hands between
-requests in every order, and every free page is poisoned before each step.
+The contiguous layout: slot s's entries in pages s * pages_per_slot onwards, in order —
+each slot's entries one run of memory, byte for byte the per-slot caches of format 2
+([slots, max_seq_len / ratio, record]). Against it, a pool far smaller than every slot at
+max_seq_len would need, so requests wait for pages, pages change hands between requests
+in every order, and every free page is poisoned before each step.
 """
 
 from __future__ import annotations
@@ -12,25 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.errors import PagesExhausted
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
-from conftest import once_per_run, random_tokens, recipe_variant
+from conftest import random_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REQUESTS, SLOTS = 64, 8
 TIGHT_PAGES = 24  # per pool: about three requests' worth of the longest prompts, for 8 slots
-
-
-@pytest.fixture(scope="module")
-def contiguous_pkg(tiny_recipe, run_dir):
-    whole = tiny_recipe.model.max_seq_len
-    recipe = recipe_variant(tiny_recipe, {"cache.pages.compressed_entries": whole, "cache.pages.index_keys": whole},
-                            name="dsv41-tiny-contiguous")
-    return load(once_per_run(run_dir, "contiguous", lambda out: export_package(recipe, out).path))
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +41,17 @@ def serve(package, requests, temperature, poison_free_pages=False, **pages):
             session.poison_free_pages()
         engine.step()
         peak = max(peak, max(p["in_use"] for p in session.pages.stats()["pools"].values()))
+        if session.pages.contiguous:  # every slot's pages are its own run, in order
+            for pool, held in session.pages.held.items():
+                width = session.pools[pool].pages_per_slot
+                assert all(ids == list(range(s * width, s * width + len(ids))) for s, ids in enumerate(held))
     states = sorted(engine.finished, key=lambda s: s.id)
     return [s.tokens for s in states], engine.stats.as_dict(), peak, session
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_paged_serving_is_token_identical_to_the_contiguous_layout(fused_pkg, contiguous_pkg, requests, temperature):
-    contiguous, base_stats, _, _ = serve(contiguous_pkg, requests, temperature)
+def test_paged_serving_is_token_identical_to_the_contiguous_layout(fused_pkg, requests, temperature):
+    contiguous, base_stats, _, _ = serve(fused_pkg, requests, temperature, contiguous=True)
     paged, stats, peak, session = serve(fused_pkg, requests, temperature, poison_free_pages=True, pages=TIGHT_PAGES)
     assert paged == contiguous
     assert stats["page_waits"] > 0  # the pool was tight: requests waited for pages
