@@ -344,3 +344,17 @@ def test_mutated_recipes_fail_only_with_recipe_error(data):
     else:
         assert isinstance(result, Recipe)
         assert len(result.sha256()) == 64
+
+
+@pytest.mark.parametrize("pages, message", [
+    ("{compressed_entries: 63, index_keys: 32}",
+     "cache.pages.compressed_entries: 63 tokens per page is not a multiple of compress ratio 2; a page must hold "
+     "whole entries"),
+    ("{compressed_entries: 64, index_keys: 2048}",
+     "cache.pages.index_keys: 2048 tokens per page is more than model.max_seq_len = 1024"),
+    ("{compressed_entries: 64, index_keys: 0}", "cache.pages.index_keys: Input should be greater than 0"),
+])
+def test_page_sizes_are_refused_at_their_line(pages, message):
+    needle = "pages: {compressed_entries: 64, index_keys: 32}"
+    error = parse_error(edit(needle, f"pages: {pages}"))
+    assert str(error) == f"t.yaml:{line_of(TINY_TEXT, needle)}: {message}"
