@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.runtime.package.contract import CachePages
+from b12x_toolchain.runtime.package.kinds import KINDS
 
 
 def pool_widths(specs) -> dict[str, int]:
@@ -28,8 +29,9 @@ def block_tables(specs, row_ids) -> dict[str, torch.Tensor]:
     widths = pool_widths(specs)
     out = {}
     for spec in specs:
-        if spec.role == "input" and spec.info is not None and spec.info.kind.endswith("block_table"):
-            width = spec.shape[1]
-            assert width in widths.values()
+        pool = KINDS[spec.info.kind].pool if spec.role == "input" and spec.info is not None else None
+        if pool is not None:
+            width = widths[pool]
+            assert spec.shape[1] == width
             out[spec.name] = (rows[:, None] * width + torch.arange(width)).to(torch.int32)
     return out

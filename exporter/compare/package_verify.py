@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.exporter.errors import VerifyError  # noqa: F401  (re-exported)
 
@@ -145,7 +146,7 @@ def live_rows(a, b, name: str, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What a cache holds for the request slots: their rows, or for a paged cache the pages
     some slot holds (free pages hold poison, which is no result)."""
     page = a.package.buffers[name].info.page
-    if page is None or not hasattr(page, "pool"):
+    if not isinstance(page, CachePages):
         return a.caches[name][:slots], b.caches[name][:slots]
     held = torch.tensor([p for p, refs in enumerate(a.pages.pools[page.pool].refs) if refs], dtype=torch.long)
     return a.caches[name][held], b.caches[name][held]

@@ -11,8 +11,9 @@ Compressed entries and index keys are paged (page_tables.py). By default the ses
 the pages: `pages` (per pool, or one count for all), a `cache_bytes` budget for them, or
 else enough for every slot to reach max_seq_len; a replay then gives each row the pages
 its tokens need and fills the block-table inputs itself. `contiguous` places slot s's
-pages at s * pages_per_slot onwards, in order: the per-slot layout of format 2's caches. A caller that owns its pages
-passes the block tables instead, and the session only checks them.
+pages at s * pages_per_slot onwards, in order: the per-slot layout of format 2's caches.
+A caller that owns its pages passes the block tables instead, and the session only
+checks them.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ class Session:
         self.seq_lens = [0] * (slots + 1)  # host mirror of the seq_len cache: validation needs no sync
         self.weights = {k: v.to(self.device) for k, v in package.weights.items()}
         self.caches, self.staging = {}, {}
-        self.pools = self._pools(pages, cache_bytes, buffers or {})
+        page_specs = self._page_specs()
+        self.pools = self._pools(page_specs, pages, cache_bytes, buffers or {})
         self._bind(buffers or {})
-        self.pages = PageTables(self.pools, self._paged_caches(), slots, self.device, contiguous)
+        paged = {pool: {name: self.caches[name] for name, _ in entries} for pool, entries in page_specs.items()}
+        self.pages = PageTables(self.pools, paged, slots, self.device, contiguous)
         # The cache that holds committed lengths, by its recorded kind (contract.py).
         lengths = [n for n, s in self._shared_specs().items() if s.info is not None and s.info.kind == "seq_len"]
         if len(lengths) != 1:
@@ -93,8 +96,9 @@ class Session:
                 out.setdefault(spec.info.page.pool, []).append((name, spec.info.page))
         return out
 
-    def _pools(self, pages, cache_bytes, given: dict) -> dict[str, PagePool]:
-        specs = self._page_specs()
+    def _pools(self, specs: dict, pages, cache_bytes, given: dict) -> dict[str, PagePool]:
+        """One pool per page pool of `specs` (`_page_specs`), sized by pages, cache_bytes, the
+        paged caches the caller brought, or else for every slot to reach max_seq_len."""
         if pages is not None and cache_bytes is not None:
             raise ValueError("give pages or cache_bytes, not both")
         brought = {pool: given[name].shape[0] for pool, entries in specs.items() for name, _ in entries
@@ -123,9 +127,6 @@ class Session:
                                  f"({set_bytes[pool]} bytes per page across its caches)")
         return {p: PagePool(p, counts[p], first[p].tokens_per_page, first[p].pages_per_slot, set_bytes[p])
                 for p in specs}
-
-    def _paged_caches(self) -> dict[str, dict]:
-        return {pool: {name: self.caches[name] for name, _ in entries} for pool, entries in self._page_specs().items()}
 
     def _bind(self, given: dict) -> None:
         symbols = {"slots": self.slots + 1, "rows": self.max_rows, **{p: pool.count for p, pool in self.pools.items()}}
@@ -176,8 +177,7 @@ class Session:
             raise ValueError(f"unknown pass {pass_name!r}; this package has {sorted(self.buckets)}")
         info = self.package.passes[pass_name]
         tensors = validate_inputs(self, info, values)
-        slots = tensors[info.input_of("slot_ids")]
-        n = slots.shape[0]
+        n = tensors[info.input_of("slot_ids")].shape[0]
         if info.block_tables and not any(name in values for name in info.block_tables.values()):
             self._give_pages(info, tensors)
         bucket = self.bucket_for(pass_name, n)
