@@ -98,15 +98,15 @@ def kernel_bytes(device: str) -> None:
                 name = f"kernel bytes w{width} r{rows} d{dim}"
                 case = window_case(torch.Generator().manual_seed(width * 1000 + rows * 10 + dim), rows, width, dim, page)
                 ref = case["staging"].clone()
-                R.window_snapshot_append(case["ring"], ref, case["kv"], case["row_ids"], case["positions"], 128, "NHD", page, "mxfp8")
+                R.window_snapshot_append(case["ring"], ref, case["kv"], case["row_ids"], case["positions"], 128, "NHD", page, "dsv41_mxfp8")
                 ref_unfused = case["staging"].clone()
                 R.window_snapshot(case["ring"], ref_unfused, case["row_ids"], case["positions"], 128, "NHD", page)
-                R.cache_append(ref_unfused, case["kv"], 128, "NHD", page, "mxfp8")
+                R.cache_append(ref_unfused, case["kv"], 128, "NHD", page, "dsv41_mxfp8")
                 g = {k: v.to(device) for k, v in case.items()}
                 fused, unfused = g["staging"].clone(), g["staging"].clone()
-                win.window_snapshot_append(g["ring"], fused, g["kv"], g["row_ids"], g["positions"], 128, "NHD", page, "mxfp8")
+                win.window_snapshot_append(g["ring"], fused, g["kv"], g["row_ids"], g["positions"], 128, "NHD", page, "dsv41_mxfp8")
                 win.window_snapshot(g["ring"], unfused, g["row_ids"], g["positions"], 128, "NHD", page)
-                win.cache_append(unfused, g["kv"], 128, "NHD", page, "mxfp8")
+                win.cache_append(unfused, g["kv"], 128, "NHD", page, "dsv41_mxfp8")
                 ring_ref = case["ring"].clone()
                 R.window_commit(ring_ref, ref, case["row_ids"], case["positions"], case["accept_len"], 128, width)
                 win.window_commit(g["ring"], fused, g["row_ids"], g["positions"], g["accept_len"], 128, width)
@@ -118,7 +118,10 @@ def kernel_bytes(device: str) -> None:
                 }
                 record(name, all(ok.values()), ", ".join(k for k, v in ok.items() if not v) or "staging and ring identical")
 
-    for fmt, dim in (("nvfp4", 64), ("nvfp4", 512), ("mxfp4", 128), ("fp32", 128), ("mxfp8", 512)):
+    # Every V4.1 record at the tiny and full recipes' dims (CUDA bytes = the CPU reference, which
+    # tests/runtime/formats/test_flashinfer_records.py holds to FlashInfer's encoder), plus OCP.
+    for fmt, dim in (("dsv41_mxfp8", 64), ("dsv41_mxfp8", 512), ("dsv41_nvfp4", 64), ("dsv41_nvfp4", 512),
+                     ("dsv41_mxfp4", 32), ("dsv41_mxfp4", 128), ("ocp_mxfp8", 512), ("ocp_mxfp4", 128), ("fp32", 128)):
         gen = torch.Generator().manual_seed(dim)
         values = kv_rows(gen, 3, 8, dim)
         nbytes = get_format(fmt).row_bytes(dim)
@@ -156,7 +159,7 @@ def kernel_bytes(device: str) -> None:
 SPARSE_LENGTHS = (1024, 4096, 16384)  # committed entries per row in the timing rows
 SPARSE_ROWS = 4
 # The full model's indexer and attention (recipes/dsv41.yaml); candidate blocks of 8.
-SPARSE_FULL = dict(dim=512, heads=64, index_dim=128, index_heads=32, fmt="nvfp4", index_fmt="mxfp4")
+SPARSE_FULL = dict(dim=512, heads=64, index_dim=128, index_heads=32, fmt="dsv41_nvfp4", index_fmt="dsv41_mxfp4")
 SPARSE_TOPK, SPARSE_FULL_BLOCK, SPARSE_FULL_BLOCKS = 512, 8, 256
 SPARSE_PAGE_ENTRIES = 64  # entries per cache page in the length cases
 
@@ -213,7 +216,7 @@ def sparse_kernels(device: str, specs=None, extras: bool = True) -> None:
     cases = [(sparse_case_id(spec), small_sparse_case(spec)) for spec in specs or SPARSE_CASES]
     if extras:
         cases += [("all scores tied", small_sparse_case(SPARSE_CASES[2], ties=True)),
-                  ("exact scores", small_sparse_case((1, [20, 33, 2], 8, "nvfp4", "mxfp4", 64), exact=True))]
+                  ("exact scores", small_sparse_case((1, [20, 33, 2], 8, "dsv41_nvfp4", "dsv41_mxfp4", 64), exact=True))]
     for name, case in cases:
         problems = compare_sparse(ops, case, device, SPARSE_BLOCK_SIZE, SPARSE_BLOCKS, 5)
         record(f"sparse ops {name}", not problems,
@@ -517,7 +520,7 @@ def bandwidth() -> None:
     from b12x_toolchain.runtime.formats.layout import staging_shape
 
     rows, width, dim, page = BANDWIDTH_ROWS, 8, 512, 64
-    row_bytes = get_format("mxfp8").row_bytes(dim)
+    row_bytes = get_format("dsv41_mxfp8").row_bytes(dim)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ring = torch.randint(0, 256, (rows + 1, 128, row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
     staging = torch.empty(staging_shape(rows, 128 + width, row_bytes, "NHD", page), dtype=torch.uint8, device="cuda")
@@ -527,7 +530,7 @@ def bandwidth() -> None:
     written = rows * (128 + width) * row_bytes
     src = torch.randint(0, 256, (written,), dtype=torch.uint8, device="cuda", generator=gen)
     dst = torch.empty_like(src)
-    fused = lambda: torch.ops.b12x_toolchain.window_snapshot_append(ring, staging, kv, row_ids, positions, 128, "NHD", page, "mxfp8")
+    fused = lambda: torch.ops.b12x_toolchain.window_snapshot_append(ring, staging, kv, row_ids, positions, 128, "NHD", page, "dsv41_mxfp8")
     copy = lambda: dst.copy_(src)
     # Each side is captured as a graph of back-to-back launches, so the timing sees GPU
     # time only, not the host's dispatch between launches.

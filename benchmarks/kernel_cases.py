@@ -20,8 +20,8 @@ EDGE_VALUES = (0.0, -0.0, 448.0, -448.0, 464.0, 479.9, 480.0, -1e30, 1e30, float
 
 
 def edge_rows(dim: int) -> torch.Tensor:
-    """Rows that each stress one rule of the formats: [9, dim] float32."""
-    rows = torch.randn(9, dim, generator=torch.Generator().manual_seed(dim))
+    """Rows that each stress one rule of the formats: [10, dim] float32."""
+    rows = torch.randn(10, dim, generator=torch.Generator().manual_seed(dim))
     rows[0, : len(EDGE_VALUES)] = torch.tensor(EDGE_VALUES)
     rows[1] = 0.0
     rows[2] = -0.0
@@ -31,6 +31,10 @@ def edge_rows(dim: int) -> torch.Tensor:
     rows[6] = rows[6].abs() * 2.0**120  # huge but finite
     rows[7] = 1.9 * 2.0**5  # mantissa above 1.75 at the block maximum: saturates to 448
     rows[8] = torch.where(torch.arange(dim) % 2 == 0, 1e-30, 2.0**20)  # tiny beside huge
+    # Block maxima one ulp above 7 = 448 * 2^-6: the V4.1 window scale stays 2^-6 (float32
+    # log2 of amax / 448 rounds to -6) and the maximum saturates.
+    rows[9] = rows[9].clamp(-1, 1)
+    rows[9, ::32] = 7.0 + 2.0**-21
     return rows
 
 
@@ -44,7 +48,7 @@ def kv_rows(gen: torch.Generator, rows: int, width: int, dim: int) -> torch.Tens
     return kv
 
 
-def window_case(gen: torch.Generator, rows: int, width: int, dim: int, page_size: int, fmt: str = "mxfp8",
+def window_case(gen: torch.Generator, rows: int, width: int, dim: int, page_size: int, fmt: str = "dsv41_mxfp8",
                 slots: int = 5, device="cpu") -> dict:
     """Arguments of the window ops: random ring bytes, poisoned staging, kv, rows and positions.
 
@@ -73,10 +77,10 @@ def window_case(gen: torch.Generator, rows: int, width: int, dim: int, page_size
 # (every row at ratio 1; 3 -> 4 and 255 -> 256 at its first row) and where it closes none
 # (130 at ratio 128).
 SPARSE_CASES = [
-    (1, [0, 5, 30], 8, "nvfp4", "mxfp4", 128),
-    (2, [9], 7, "mxfp8", "nvfp4", 64),
-    (4, [3, 0, 64], 8, "mxfp4", "fp32", 128),
-    (128, [0, 130, 255], 7, "fp32", "mxfp8", 64),
+    (1, [0, 5, 30], 8, "dsv41_nvfp4", "dsv41_mxfp4", 128),
+    (2, [9], 7, "dsv41_mxfp8", "dsv41_nvfp4", 64),
+    (4, [3, 0, 64], 8, "ocp_mxfp4", "fp32", 128),
+    (128, [0, 130, 255], 7, "fp32", "dsv41_mxfp8", 64),
 ]
 SPARSE_BLOCK_SIZE, SPARSE_BLOCKS = 4, 3  # candidate blocks of the small cases
 PAGE_ENTRIES = 4  # entries per cache page in the small cases: every row spans several pages
@@ -148,8 +152,8 @@ def page_case(case: dict, gen: torch.Generator, width: int | None = None, spare:
                 index_cache=to_pages(case["index_records"].cpu(), table, per_page, pages))
 
 
-def sparse_case(gen: torch.Generator, positions: list[int], width: int, ratio: int, *, fmt: str = "nvfp4",
-                index_fmt: str = "mxfp4", index_dim: int = 64, dim: int = 64, heads: int = 4,
+def sparse_case(gen: torch.Generator, positions: list[int], width: int, ratio: int, *, fmt: str = "dsv41_nvfp4",
+                index_fmt: str = "dsv41_mxfp4", index_dim: int = 64, dim: int = 64, heads: int = 4,
                 index_heads: int = 4, capacity: int | None = None, page_entries: int = PAGE_ENTRIES,
                 ties: bool = False, exact: bool = False, device="cpu") -> dict:
     """Arguments of `indexer_topk`, `candidate_blocks` and `sparse_attention` for these rows.

@@ -21,7 +21,7 @@ so above 1 b12x is faster.
 Before timing, the greedy token streams are compared: b12x's plain stream against the
 reference's, and the speculative stream against the plain one. A difference is recorded
 in `params` and warned about, never raised: near ties can flip, and the recipe's
-quantised cache formats (mxfp8 window and compressed rows) move logits by more than the
+quantised cache formats (ocp_mxfp8 window and compressed rows) move logits by more than the
 gap between the top two tokens now and then. Every case therefore runs twice: on the
 recipe as written and on the same recipe with fp32 caches, whose logits match the
 reference to float rounding.

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from b12x_toolchain.exporter.pipeline.export import FLASHINFER_PIN
+from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN
 from paths import ROOT
 
 pytestmark = pytest.mark.slow(minutes=1.5)  # the module's time on two busy cores: longest runs first
@@ -40,9 +40,12 @@ def cuda_extra_flashinfer_pin() -> str:
     return pins[0]
 
 
-def test_manifest_flashinfer_pin_is_the_cuda_extras():
-    # Packages record FLASHINFER_PIN as versions.flashinfer_pin; it must name what users install.
+def test_manifest_flashinfer_pin_is_the_cuda_extras_and_the_test_environments():
+    # Packages record FLASHINFER_PIN as versions.flashinfer_pin; it must name what users install
+    # (the cuda extra) and what the record tests compare against (the Makefile installs it).
     assert FLASHINFER_PIN == cuda_extra_flashinfer_pin()
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"FLASHINFER ?= flashinfer-python=={FLASHINFER_PIN}\n" in makefile
 
 
 def run_quietly(*command, failure: str = "", **kwargs) -> subprocess.CompletedProcess:

@@ -8,7 +8,17 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from b12x_toolchain.exporter.cli.common import console, fail
+from rich.console import Console
+
+from b12x_toolchain.exporter.cli import common
+from b12x_toolchain.exporter.cli.common import fail
+
+
+def _console() -> Console:
+    """The shared console, or a wide one when the output is not a terminal (a file, a pipe):
+    rows are what a reader greps for, and an 80-column default would cut names short."""
+    shared = common.console
+    return shared if shared.is_terminal else Console(width=max(shared.width, 160))
 
 
 def _described(spec: dict, buffers: dict, row_inputs: dict) -> tuple[str, str, str]:
@@ -25,6 +35,7 @@ def _described(spec: dict, buffers: dict, row_inputs: dict) -> tuple[str, str, s
 
 
 def _summary(manifest: dict) -> None:
+    console = _console()
     console.print(f"[bold]{manifest['name']}[/]  format {manifest['format_version']}  op set {manifest['opset_version']}"
                   f"  abi {manifest['abi_fingerprint']}", highlight=False)
     buffers = manifest["buffers"]
@@ -45,12 +56,19 @@ def _summary(manifest: dict) -> None:
                       caption="owner: L target layer, S draft stage; rows: format x dims, /positions per row")
     for column in ("name", "kind"):
         described.add_column(column, no_wrap=True)
-    for column in ("owner", "rows"):
-        described.add_column(column)
+    described.add_column("owner")
+    described.add_column("rows", no_wrap=True)
     for name in buffers:
         kind, owner, rows = _described({"name": name, "role": "cache"}, buffers, {})
         described.add_row(name, kind, owner.replace("layer ", "L").replace("stage ", "S"), rows)
     console.print(described)
+    formats = Table(title="cache formats: whose bytes the caches hold",
+                    caption=f"records of flashinfer-python {manifest['versions']['flashinfer_pin']}, the pinned release")
+    for column in ("format", "convention"):
+        formats.add_column(column, no_wrap=True)
+    for name, convention in manifest["cache_formats"].items():
+        formats.add_row(name, convention)
+    console.print(formats)
     rewrites = Table(title=f"rewrites: {manifest['rewrites']['pipeline'] or 'none'}")
     for column in ("pass", "rewrite", "matches", "nodes before", "nodes after"):
         rewrites.add_column(column)

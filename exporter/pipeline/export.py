@@ -20,11 +20,12 @@ from b12x_toolchain.passes.manager import PassRecord
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.contract import described
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
+from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN  # the `cuda` extra pins exactly this version
+from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
 from b12x_toolchain.runtime.package.reader import FORMAT_VERSION
 from b12x_toolchain.runtime.prefix.snapshot import capabilities as snapshot_capabilities
 from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
 
-FLASHINFER_PIN = "0.7.4"  # the `cuda` extra pins exactly this version
 
 
 @dataclass
@@ -156,6 +157,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         },
         "passes": passes,
         "buffers": buffers,
+        "cache_formats": cache_formats_entry(buffers),
         "abi_fingerprint": fingerprint(contract(passes, buffers)),
         "rewrites": {"pipeline": pipeline, "results": results},
         "weights": weights_entry,

@@ -24,6 +24,7 @@ from pydantic import ValidationError, model_validator
 from b12x_toolchain.exporter.recipe.schema import V4ModelSpec, V41ModelSpec
 from b12x_toolchain.exporter.recipe.field_types import (Buckets, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
                                         format_key_path)
+from b12x_toolchain.runtime.formats.codecs import RENAMED
 from b12x_toolchain.runtime.ops.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
 from b12x_toolchain.exporter.recipe.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 
@@ -63,12 +64,23 @@ class PagesSpec(_Spec):
     index_keys: PosInt = 256
 
 
+def _renamed_format(value):
+    """A format name from before the V4.1 records gets what replaced it, at its line."""
+    if isinstance(value, str) and value in RENAMED:
+        raise ValueError(f"format {value!r} was renamed: use {RENAMED[value]}")
+    return value
+
+
+def _formats(*names):
+    return Annotated[Literal[names], BeforeValidator(_renamed_format)]
+
+
 class CacheSpec(_Spec):
     history: PosInt
-    window_format: Literal["mxfp8", "bf16", "fp32"]
-    compressed_format: Literal["nvfp4", "mxfp8", "bf16", "fp32"]
+    window_format: _formats("dsv41_mxfp8", "ocp_mxfp8", "bf16", "fp32")
+    compressed_format: _formats("dsv41_nvfp4", "dsv41_mxfp8", "ocp_mxfp8", "bf16", "fp32")
     state_format: Literal["fp32"]
-    index_format: Literal["mxfp4", "mxfp8", "bf16", "fp32"] = "fp32"  # indexer keys
+    index_format: _formats("dsv41_mxfp4", "ocp_mxfp4", "ocp_mxfp8", "dsv41_mxfp8", "bf16", "fp32") = "fp32"  # indexer keys
     staging: StagingSpec
     pages: PagesSpec = PagesSpec()
 

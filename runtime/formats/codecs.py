@@ -3,45 +3,43 @@
 Every format turns float32 rows ``x[..., dim]`` into ``uint8[..., row_bytes(dim)]``
 and back. The code is plain vectorised torch (no per-element Python loops) because
 it runs inside custom ops on hot paths; it also works unchanged on other devices.
+A format's name says whose convention its bytes follow, and so does its ``convention``,
+which packages record (manifest ``cache_formats``) and the reader checks:
+
+* ``dsv41_mxfp8``, ``dsv41_nvfp4`` and ``dsv41_mxfp4``: DeepSeek V4.1's window record,
+  compressed record and index key, as FlashInfer writes them (dsv41.py documents them and
+  says where FlashInfer leaves them undefined). The V4.1 recipes store their caches in these.
+* ``ocp_mxfp8`` and ``ocp_mxfp4``: OCP Microscaling (MX) v1.0 blocks, below.
+* ``bf16`` and ``fp32``: bit patterns.
 
 Byte layouts of one row (all multi-byte values little-endian):
 
-``mxfp8`` (OCP MX, block 32) -- ``dim + dim/32`` bytes (512 dims -> 528)
+``ocp_mxfp8`` (OCP MX, block 32) -- ``dim + dim/32`` bytes (512 dims -> 528)
     ``dim`` bytes of FP8 E4M3 elements in element order, then one UE8M0 scale byte
     per block of 32. Shared exponent ``e = floor(log2(amax)) - 8`` (8 = emax of
     E4M3), clamped to [-127, 127]; scale byte ``e + 127``; element
-    ``E4M3(clamp(x * 2^-e, -448, 448))`` rounded to nearest even. Decode:
-    ``E4M3 * 2^(scale - 127)``.
+    ``E4M3(clamp(x * 2^-e, -448, 448))`` rounded to nearest even, so values between
+    448 * 2^e and amax saturate (dsv41_mxfp8 takes the next power of two instead).
+    Decode: ``E4M3 * 2^(scale - 127)``.
     Edge cases: amax == 0 -> scale 0x00 and all elements 0x00. Any NaN in a
     block -> scale 0xFF and every element 0x7F (canonical positive NaN); a 0xFF
     scale decodes to NaN for the whole block. +-inf counts as float32 max for
     the scale and saturates to +-448. Within a block with a nonzero amax, -0.0
     and negative values that round to zero keep the sign the cast gives (0x80).
 
-``nvfp4`` (block 16) -- ``dim/2 + dim/16`` bytes (512 dims -> 288)
+``ocp_mxfp4`` (OCP MX, block 32) -- ``dim/2 + dim/32`` bytes (128 dims -> 68)
     ``dim/2`` bytes of packed FP4 E2M1 (element 2i in the low nibble, 2i+1 in the
-    high nibble), then one FP8 E4M3 scale byte per block of 16. No global scale.
-    ``s = E4M3(clamp(amax / 6, 0, 448))``; element ``E2M1(x / s)`` rounded to
-    nearest with ties to the even code, saturating at 6; sign bit 0x8 set iff
-    ``x < 0`` (so -0.0 encodes as 0x0, and a negative value rounding to zero as
-    0x8). Decode: ``e2m1 * s``.
-    Edge cases: ``s == 0`` (amax / 6 <= 2^-10: half the smallest E4M3 step) -> all
-    nibbles 0. Any NaN in a block -> scale 0x7F (E4M3 NaN) and nibbles 0; it
-    decodes to NaN for the whole block. +-inf counts as float32 max.
-
-``mxfp4`` (OCP MX, block 32) -- ``dim/2 + dim/32`` bytes (128 dims -> 68)
-    ``dim/2`` bytes of packed FP4 E2M1 (element 2i in the low nibble, 2i+1 in the
-    high nibble, as nvfp4), then one UE8M0 scale byte per block of 32. Shared
+    high nibble), then one UE8M0 scale byte per block of 32. Shared
     exponent ``e = floor(log2(amax)) - 2`` (2 = emax of E2M1: 6 = 1.5 * 2^2),
     clamped to [-127, 127]; scale byte ``e + 127``; element
     ``E2M1(clamp(x * 2^-e, -6, 6))`` rounded to nearest with ties to the even code.
     Decode: ``e2m1 * 2^(scale - 127)``.
-    Edge cases as mxfp8: amax == 0 -> scale 0x00 and all nibbles 0. Any NaN in a
+    Edge cases as ocp_mxfp8: amax == 0 -> scale 0x00 and all nibbles 0. Any NaN in a
     block -> scale 0xFF and nibbles 0; a 0xFF scale decodes to NaN for the whole
     block. +-inf counts as float32 max for the scale and saturates to +-6. Within
     a block with a nonzero amax the sign bit 0x8 is the input's sign bit, as the
-    E4M3 cast gives mxfp8: -0.0 and negative values that round to zero encode as
-    0x8 (nvfp4 differs for -0.0, which it encodes as 0x0).
+    E4M3 cast gives ocp_mxfp8: -0.0 and negative values that round to zero encode as
+    0x8.
 
 ``bf16`` (block 1) -- ``2 * dim`` bytes: the bfloat16 bit pattern (RNE cast).
 
@@ -58,6 +56,7 @@ import torch
 
 __all__ = ["Format", "FORMATS", "get_format", "check_dim"]
 
+from b12x_toolchain.runtime.formats import dsv41
 from b12x_toolchain.runtime.formats.minifloat import (  # noqa: F401  (tests read a few)
     _E2M1_EMAX,
     _E2M1_MAX,
@@ -98,27 +97,6 @@ def _decode_mxfp8(data: torch.Tensor, dim: int) -> torch.Tensor:
     return _mx_decode(elems, data[..., dim:]).reshape(*data.shape[:-1], dim)
 
 
-def _encode_nvfp4(x: torch.Tensor, out: torch.Tensor) -> None:
-    dim = x.shape[-1]
-    xb = _blocks(x, 16)
-    amax, nan = _block_amax(xb)
-    scale = _to_e4m3_bytes(amax / _E2M1_MAX)  # amax >= 0, so only the top clamp acts
-    s = _e4m3_bytes_to_f32(scale).unsqueeze(-1)
-    live = s > 0
-    # Dividing by 1 where s == 0 avoids 0/0; those blocks are zeroed below.
-    q = xb / torch.where(live, s, torch.ones_like(s))
-    packed = _pack_e2m1(q, xb < 0, live & ~nan.unsqueeze(-1), x.shape)
-    scale = torch.where(nan, 0x7F, scale).to(torch.uint8)
-    out[..., : dim // 2].copy_(packed)
-    out[..., dim // 2 :].copy_(scale)
-
-
-def _decode_nvfp4(data: torch.Tensor, dim: int) -> torch.Tensor:
-    s = _e4m3_bytes_to_f32(data[..., dim // 2 :])  # 0x7F -> NaN for the whole block
-    elems = _unpack_e2m1(data[..., : dim // 2], 16)
-    return (elems * s.unsqueeze(-1)).reshape(*data.shape[:-1], dim)
-
-
 def _encode_mxfp4(x: torch.Tensor, out: torch.Tensor) -> None:
     dim = x.shape[-1]
     xb = _blocks(x, 32)
@@ -134,6 +112,12 @@ def _encode_mxfp4(x: torch.Tensor, out: torch.Tensor) -> None:
 def _decode_mxfp4(data: torch.Tensor, dim: int) -> torch.Tensor:
     elems = _unpack_e2m1(data[..., : dim // 2], 32)
     return _mx_decode(elems, data[..., dim // 2 :]).reshape(*data.shape[:-1], dim)
+
+
+def _decode_e4m3_scaled_fp4(data: torch.Tensor, dim: int) -> torch.Tensor:
+    s = _e4m3_bytes_to_f32(data[..., dim // 2 :])  # 0x7F -> NaN for the whole block
+    elems = _unpack_e2m1(data[..., : dim // 2], 16)
+    return (elems * s.unsqueeze(-1)).reshape(*data.shape[:-1], dim)
 
 
 def _bit_encoder(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -158,6 +142,7 @@ class Format:
     name: str
     block: int
     block_bytes: int
+    convention: str  # whose bytes these are: packages record it, the reader compares
     _encode: Callable[[torch.Tensor, torch.Tensor], None]
     _decode: Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -196,19 +181,31 @@ class Format:
         return self._decode(data, dim)
 
 
+_OCP_MX = "OCP Microscaling (MX) v1.0"
 FORMATS: dict[str, Format] = {
-    "mxfp8": Format("mxfp8", 32, 33, _encode_mxfp8, _decode_mxfp8),
-    "nvfp4": Format("nvfp4", 16, 9, _encode_nvfp4, _decode_nvfp4),
-    "mxfp4": Format("mxfp4", 32, 17, _encode_mxfp4, _decode_mxfp4),
-    "bf16": Format("bf16", 1, 2, _bit_encoder(torch.bfloat16), _bit_decoder(torch.bfloat16)),
-    "fp32": Format("fp32", 1, 4, _bit_encoder(torch.float32), _bit_decoder(torch.float32)),
+    "dsv41_mxfp8": Format("dsv41_mxfp8", 32, 33, dsv41.WINDOW_CONVENTION, dsv41.encode_window, _decode_mxfp8),
+    "dsv41_nvfp4": Format("dsv41_nvfp4", 16, 9, dsv41.COMPRESSED_CONVENTION, dsv41.encode_compressed,
+                          _decode_e4m3_scaled_fp4),
+    "dsv41_mxfp4": Format("dsv41_mxfp4", 32, 17, dsv41.INDEX_KEY_CONVENTION, dsv41.encode_index_key, _decode_mxfp4),
+    "ocp_mxfp8": Format("ocp_mxfp8", 32, 33, _OCP_MX, _encode_mxfp8, _decode_mxfp8),
+    "ocp_mxfp4": Format("ocp_mxfp4", 32, 17, _OCP_MX, _encode_mxfp4, _decode_mxfp4),
+    "bf16": Format("bf16", 1, 2, "bfloat16 bits", _bit_encoder(torch.bfloat16), _bit_decoder(torch.bfloat16)),
+    "fp32": Format("fp32", 1, 4, "float32 bits", _bit_encoder(torch.float32), _bit_decoder(torch.float32)),
 }
+RENAMED = {
+    "mxfp8": "dsv41_mxfp8 (DeepSeek V4.1's window record) or ocp_mxfp8 (the OCP MX rule it followed)",
+    "nvfp4": "dsv41_nvfp4 (DeepSeek V4.1's compressed record; its zero-block and -0.0 rules differ)",
+    "mxfp4": "dsv41_mxfp4 (DeepSeek V4.1's index key) or ocp_mxfp4 (the OCP MX rule it followed)",
+}
+"""Format names of b12x before the V4.1 records, and what replaced each."""
 
 
 def get_format(name: str) -> Format:
     try:
         return FORMATS[name]
-    except KeyError:
+    except (KeyError, TypeError):
+        if isinstance(name, str) and name in RENAMED:
+            raise ValueError(f"KV-cache format {name!r} was renamed: use {RENAMED[name]}") from None
         raise ValueError(
             f"unknown KV-cache format {name!r}; supported: {', '.join(sorted(FORMATS))}"
         ) from None

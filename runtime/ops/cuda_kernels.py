@@ -21,13 +21,15 @@ Backends:
   no host sync, so they capture like the rest.
 * The reference for `set_seq_len`: one `index_put_`, which captures as it is.
 
-FlashInfer is not called. Its pinned 0.7.4 writers do not produce these bytes: its
-`swa_mxfp8` cache writer (`deepseek_v41_quantize_cache`) uses a 2^ceil(log2(amax/448))
-scale where ours is OCP's 2^(floor(log2 amax) - 8), stores a page's data rows before all
-its scale rows rather than per-token records, requires finite inputs and SM100; its NVFP4
-appends take fp16/bf16 input (ours encode fp32) with scales in a separate tensor; and
+FlashInfer is not called, on any device. The caches hold its pinned 0.7.4 release's V4.1
+records (formats/dsv41.py), which these kernels write bit for bit, but its own writers do
+not always give its reference's bytes: the SM120/SM121 V4.1 cache writer computes the
+window scale as `amax * (1/448)` with a ceiling on the bits, where the reference divides
+and takes the ceiling of float32 `log2`, so blocks whose maximum is a few ulps above
+`448 * 2^k` get another scale byte; `deepseek_v41_quantize_cache` is SM100-only and stores
+a page's data rows before its scale rows; its indexer's MXFP4 key pages are planar too; and
 `append_paged_kv_cache` is an unmasked raw copy for head dims 64-512, which matches no
-masked commit and no encoded row size here (66, 528, 36, 288 or 68 bytes).
+masked commit and no encoded row size here (66, 528, 36, 288, 17 or 68 bytes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton device functions for the KV-cache row formats, bit-exact with `formats.py`.
+"""Triton device functions for the KV-cache row formats, bit-exact with `runtime/formats`.
 
 Every rounding decision is made with integer arithmetic on the float32 bit pattern, so
 the result does not depend on how a backend converts floats: the CPU interpreter, a GPU
@@ -14,7 +14,8 @@ and the torch reference agree by construction. In particular
 * subnormal float32 inputs are handled on the bits too, so flush-to-zero modes cannot
   change a code.
 
-The NVFP4 block scale needs `amax / 6`; that division and `x / scale` use `div_rn`
+The V4.1 window scale needs `max(amax, 1e-4) / 448` and the compressed one `amax / 6`;
+those divisions and the compressed record's `x / scale` use `div_rn`
 (IEEE round-to-nearest, as torch's division) rather than Triton's default approximate
 division. Flushing subnormal quotients to zero cannot change a code: any quotient below
 2^-10 encodes as zero either way, and signs are read from the input bits.
@@ -185,6 +186,35 @@ def mxfp8_decode(codes, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
 
 
 @triton.jit
+def _swallowed(k):
+    """`dsv41._swallowed(k)` for |k| < 128: ulps above 2^k that float32 log2 rounds back to k.
+
+    The count depends only on the binade of |k| (one lower when k < 0 is minus a power of
+    two): floor(ln 2 * 2^(binade - 1)) for binades 2..6, none below.
+    """
+    n = tl.abs(k)
+    binade = _msb(n) - ((k < 0) & ((n & (n - 1)) == 0)).to(tl.int32)
+    counts = tl.where(binade == 2, 1, tl.where(binade == 3, 2, tl.where(binade == 4, 5, 0)))
+    counts = tl.where(binade == 5, 11, tl.where(binade == 6, 22, counts))
+    return tl.where(k == 0, 0, counts)
+
+
+@triton.jit
+def dsv41_window_encode(bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """(element codes [TOK, DIM_P2], scale bytes [TOK, DIM_P2 // 32]) of the V4.1 window record."""
+    NB: tl.constexpr = DIM_P2 // 32
+    mag, nan = _magnitude(bits)
+    amax = tl.max(tl.reshape(mag, (TOK, NB, 32)), axis=2).to(tl.float32, bitcast=True)
+    floor = tl.full(amax.shape, 0x38D1B717, tl.int32).to(tl.float32, bitcast=True)  # float32(1e-4)
+    q = tl.math.div_rn(tl.maximum(amax, floor), tl.full(amax.shape, 448.0, tl.float32))
+    qbits = q.to(tl.int32, bitcast=True)
+    k = (qbits >> 23) - 127
+    e = k + ((qbits & 0x7FFFFF) > _swallowed(k)).to(tl.int32)
+    codes = e4m3_code(bits, _per_block(e, TOK, NB, 32))
+    return tl.where(nan, 0x7F, codes), e + 127
+
+
+@triton.jit
 def _e2m1_round(a):
     """Unsigned E2M1 code of a float |q| (nearest, ties to even, saturating at 6)."""
     code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
@@ -193,21 +223,19 @@ def _e2m1_round(a):
 
 
 @triton.jit
-def nvfp4_encode(x, bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
-    """(packed nibble bytes [TOK, DIM_P2 // 2], E4M3 scale bytes [TOK, DIM_P2 // 16])."""
+def dsv41_compressed_encode(x, bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """(packed nibble bytes [TOK, DIM_P2 // 2], E4M3 scale bytes [TOK, DIM_P2 // 16]) of the
+    V4.1 compressed record."""
     NB: tl.constexpr = DIM_P2 // 16
     mag, nan = _magnitude(bits)
     amax = tl.max(tl.reshape(mag, (TOK, NB, 16)), axis=2).to(tl.float32, bitcast=True)
     nan_b = tl.max(tl.reshape(nan.to(tl.int32), (TOK, NB, 16)), axis=2) > 0
+    amax = tl.maximum(amax, 0.01171875)  # 6 * 2^-9: the scale is at least 2^-9
     sixth = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
-    scale = e4m3_code(sixth.to(tl.int32, bitcast=True), 0)  # >= 0: only saturation clamps
-    live = scale != 0
-    s = tl.where(live, e4m3_value(scale), 1.0)  # 1 where dead: no 0/0, zeroed below
-    q = tl.math.div_rn(x, _per_block(s, TOK, NB, 16))
-    negative = (bits < 0) & ((bits & 0x7FFFFFFF) != 0)  # x < 0 on the bits: -0.0 is not
-    nib = _e2m1_round(tl.abs(q)) | (negative.to(tl.int32) << 3)
-    keep = _per_block((live & (nan_b == 0)).to(tl.int32), TOK, NB, 16) == 1
-    nib = tl.where(keep, nib, 0)
+    scale = e4m3_code(sixth.to(tl.int32, bitcast=True), 0)  # > 0: only saturation clamps
+    q = tl.math.div_rn(x, _per_block(e4m3_value(scale), TOK, NB, 16))
+    nib = _e2m1_round(tl.abs(q)) | (((bits >> 31) & 1) << 3)  # the sign bit: -0.0 gives 0x8
+    nib = tl.where(_per_block(nan_b.to(tl.int32), TOK, NB, 16) == 1, 7, nib)
     return _pack_nibbles(nib, TOK, DIM_P2), tl.where(nan_b, 0x7F, scale)
 
 
@@ -233,7 +261,7 @@ def _e2m1_value(nib):
 
 
 @triton.jit
-def nvfp4_decode(packed, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+def e4m3_scaled_fp4_decode(packed, scales, TOK: tl.constexpr, DIM_P2: tl.constexpr):
     """float32 [TOK, DIM_P2] from packed nibbles and E4M3 block scales (0x7F -> NaN)."""
     nib = _unpack_nibbles(packed, TOK, DIM_P2)
     return _e2m1_value(nib) * _per_block(e4m3_value(scales), TOK, DIM_P2 // 16, 16)
@@ -249,6 +277,23 @@ def mxfp4_encode(bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
     scale, e, zero, nan = _mx_scales(bits, 2, TOK, DIM_P2)  # 2 = emax of E2M1
     nib = tl.where((zero | nan) == 1, 0, e2m1_code(bits, e))
     return _pack_nibbles(nib, TOK, DIM_P2), scale
+
+
+@triton.jit
+def dsv41_index_key_encode(bits, TOK: tl.constexpr, DIM_P2: tl.constexpr):
+    """(packed nibble bytes [TOK, DIM_P2 // 2], UE8M0 scale bytes [TOK, DIM_P2 // 32]) of the
+    V4.1 index key: 2^e is max(amax, 6 * 2^-126) * float32(1/6) rounded up to a power of two."""
+    NB: tl.constexpr = DIM_P2 // 32
+    mag, nan = _magnitude(bits)
+    amax = tl.max(tl.reshape(mag, (TOK, NB, 32)), axis=2).to(tl.float32, bitcast=True)
+    nan_b = tl.max(tl.reshape(nan.to(tl.int32), (TOK, NB, 32)), axis=2) > 0
+    floor = tl.full(amax.shape, 0x01C00000, tl.int32).to(tl.float32, bitcast=True)  # 6 * 2^-126
+    sixth = tl.full(amax.shape, 0x3E2AAAAB, tl.int32).to(tl.float32, bitcast=True)  # float32(1/6)
+    qbits = (tl.maximum(amax, floor) * sixth).to(tl.int32, bitcast=True)
+    e = (qbits >> 23) - 127 + ((qbits & 0x7FFFFF) != 0).to(tl.int32)
+    nib = e2m1_code(bits, _per_block(e, TOK, NB, 32))
+    nib = tl.where(_per_block(nan_b.to(tl.int32), TOK, NB, 32) == 1, 0, nib)
+    return _pack_nibbles(nib, TOK, DIM_P2), tl.where(nan_b, 0xFF, e + 127)
 
 
 @triton.jit
@@ -269,13 +314,13 @@ def bf16_encode(bits):
 
 # ---------------------------------------------------------------- row tiles in memory
 
-MXFP8, NVFP4, BF16, FP32, RAW, MXFP4 = 0, 1, 2, 3, 4, 5
+OCP_MXFP8, DSV41_NVFP4, BF16, FP32, RAW, OCP_MXFP4, DSV41_MXFP8, DSV41_MXFP4 = 0, 1, 2, 3, 4, 5, 6, 7
 """Format codes of the row kernels; BF16 / FP32 / RAW rows go through typed views."""
 
 
 @triton.jit
 def _store_packed(dst, packed, scales, ok, BLOCK: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr):
-    """Write a packed-nibble row (NVFP4, MXFP4): DIM // 2 nibble bytes, then one scale byte per block."""
+    """Write a packed-nibble row (DSV41_NVFP4, OCP_MXFP4): DIM // 2 nibble bytes, then one scale byte per block."""
     h = tl.arange(0, DIM_P2 // 2)[None, :]
     nb = tl.arange(0, DIM_P2 // BLOCK)[None, :]
     tl.store(dst + h, packed.to(tl.uint8), mask=ok & (h < DIM // 2))
@@ -296,21 +341,27 @@ def _load_packed(src, ok, BLOCK: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.con
 def store_rows(dst, x, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
     """Encode float32 x [TOK, DIM_P2] into rows starting at pointers dst [TOK, 1] where ok [TOK, 1].
 
-    MXFP8 / NVFP4 / MXFP4 write bytes (dst is uint8); BF16 / FP32 write 16- / 32-bit units
+    The block formats write bytes (dst is uint8); BF16 / FP32 write 16- / 32-bit units
     (dst is an int16 / int32 view of the cache bytes).
     """
     d = tl.arange(0, DIM_P2)[None, :]
     bits = x.to(tl.int32, bitcast=True)
-    if FMT == 0:
-        codes, scales = mxfp8_encode(bits, TOK, DIM_P2)
+    if FMT == 0 or FMT == 6:
+        if FMT == 0:
+            codes, scales = mxfp8_encode(bits, TOK, DIM_P2)
+        else:
+            codes, scales = dsv41_window_encode(bits, TOK, DIM_P2)
         nb = tl.arange(0, DIM_P2 // 32)[None, :]
         tl.store(dst + d, codes.to(tl.uint8), mask=ok & (d < DIM))
         tl.store(dst + DIM + nb, scales.to(tl.uint8), mask=ok & (nb < DIM // 32))
     elif FMT == 1:
-        packed, scales = nvfp4_encode(x, bits, TOK, DIM_P2)
+        packed, scales = dsv41_compressed_encode(x, bits, TOK, DIM_P2)
         _store_packed(dst, packed, scales, ok, 16, DIM, DIM_P2)
-    elif FMT == 5:
-        packed, scales = mxfp4_encode(bits, TOK, DIM_P2)
+    elif FMT == 5 or FMT == 7:
+        if FMT == 5:
+            packed, scales = mxfp4_encode(bits, TOK, DIM_P2)
+        else:
+            packed, scales = dsv41_index_key_encode(bits, TOK, DIM_P2)
         _store_packed(dst, packed, scales, ok, 32, DIM, DIM_P2)
     elif FMT == 2:
         tl.store(dst + d, bf16_encode(bits).to(tl.int16), mask=ok & (d < DIM))
@@ -322,15 +373,15 @@ def store_rows(dst, x, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.cons
 def load_rows(src, ok, FMT: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexpr):
     """Decode rows starting at pointers src [TOK, 1] into float32 [TOK, DIM_P2] (0 where not ok)."""
     d = tl.arange(0, DIM_P2)[None, :]
-    if FMT == 0:
+    if FMT == 0 or FMT == 6:
         nb = tl.arange(0, DIM_P2 // 32)[None, :]
         codes = tl.load(src + d, mask=ok & (d < DIM), other=0).to(tl.int32)
         scales = tl.load(src + DIM + nb, mask=ok & (nb < DIM // 32), other=0).to(tl.int32)
         out = mxfp8_decode(codes, scales, TOK, DIM_P2)
     elif FMT == 1:
         packed, scales = _load_packed(src, ok, 16, DIM, DIM_P2)
-        out = nvfp4_decode(packed, scales, TOK, DIM_P2)
-    elif FMT == 5:
+        out = e4m3_scaled_fp4_decode(packed, scales, TOK, DIM_P2)
+    elif FMT == 5 or FMT == 7:
         packed, scales = _load_packed(src, ok, 32, DIM, DIM_P2)
         out = mxfp4_decode(packed, scales, TOK, DIM_P2)
     elif FMT == 2:
@@ -348,11 +399,17 @@ def round_trip_rows(x, FMT: tl.constexpr, DIM_P2: tl.constexpr, TOK: tl.constexp
     if FMT == 0:
         codes, scales = mxfp8_encode(bits, TOK, DIM_P2)
         out = mxfp8_decode(codes, scales, TOK, DIM_P2)
+    elif FMT == 6:
+        codes, scales = dsv41_window_encode(bits, TOK, DIM_P2)
+        out = mxfp8_decode(codes, scales, TOK, DIM_P2)
     elif FMT == 1:
-        packed, scales = nvfp4_encode(x, bits, TOK, DIM_P2)
-        out = nvfp4_decode(packed, scales, TOK, DIM_P2)
+        packed, scales = dsv41_compressed_encode(x, bits, TOK, DIM_P2)
+        out = e4m3_scaled_fp4_decode(packed, scales, TOK, DIM_P2)
     elif FMT == 5:
         packed, scales = mxfp4_encode(bits, TOK, DIM_P2)
+        out = mxfp4_decode(packed, scales, TOK, DIM_P2)
+    elif FMT == 7:
+        packed, scales = dsv41_index_key_encode(bits, TOK, DIM_P2)
         out = mxfp4_decode(packed, scales, TOK, DIM_P2)
     elif FMT == 2:
         out = (bf16_encode(bits) << 16).to(tl.float32, bitcast=True)

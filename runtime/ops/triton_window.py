@@ -8,7 +8,7 @@ staging with the same code. Snapshot tiles copy ring rows as words (the widest i
 unit the row size and alignment allow); append tiles encode fp32 rows with the bit-exact
 codecs of `triton_codecs`.
 
-The fused kernel encodes MXFP8, NVFP4 and MXFP4 rows; for the bit formats (bf16, fp32) the
+The fused kernel encodes the block formats (V4.1 records, OCP MX); for the bit formats (bf16, fp32) the
 fused op runs the snapshot kernel and the row kernel back to back, with the same bytes.
 """
 
@@ -19,12 +19,13 @@ import triton
 import triton.language as tl
 
 from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.ops.triton_codecs import MXFP4, MXFP8, NVFP4, store_rows
+from b12x_toolchain.runtime.ops.triton_codecs import DSV41_MXFP4, DSV41_MXFP8, DSV41_NVFP4, OCP_MXFP4, OCP_MXFP8, store_rows
 from b12x_toolchain.runtime.ops.triton_rows import CODES, tokens_per_tile, word_view
 from b12x_toolchain.runtime.ops import triton_rows
 
 COPY_TOKENS = 16  # ring rows per snapshot tile
-FUSABLE = {"mxfp8": MXFP8, "nvfp4": NVFP4, "mxfp4": MXFP4}
+FUSABLE = {"dsv41_mxfp8": DSV41_MXFP8, "dsv41_nvfp4": DSV41_NVFP4, "dsv41_mxfp4": DSV41_MXFP4,
+           "ocp_mxfp8": OCP_MXFP8, "ocp_mxfp4": OCP_MXFP4}
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def _launch(ring, staging, kv, row_ids, positions, history: int, fmt: str | None
         ring_w, stage_w, view, kv, ids, pos,
         ring_s, stage_w.stride(0), view.stride(0), kv.stride(0) if append else 0, kv.stride(1) if append else 0,
         copy_tiles, HISTORY=history, CAP=cap, WPR=wpr, WPR_P2=triton.next_power_of_2(wpr), ROW_BYTES=row_bytes,
-        WIDTH=width, DIM=dim, DIM_P2=dim_p2, FMT=FUSABLE.get(fmt, MXFP8), COPY_TOK=COPY_TOKENS, TOK=tok,
+        WIDTH=width, DIM=dim, DIM_P2=dim_p2, FMT=FUSABLE.get(fmt, OCP_MXFP8), COPY_TOK=COPY_TOKENS, TOK=tok,
         SNAPSHOT=snapshot, APPEND=append)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (graphs need the op set registered)
 from b12x_toolchain.runtime.package.abi import BufferSpec, contract, fingerprint
+from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
 from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buffer_table, check_row_inputs, described,
                                                      pass_fields, row_input_info)
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
@@ -38,8 +39,9 @@ from b12x_toolchain.runtime.strict_json import load_document
 # weights (structural packages: weights.external, weights.tensors). 2.0 records what
 # every buffer is and what every pass does as data (contract.py) and calls op set 2.
 # 3.0 pages compressed entries and index keys ([pool, page_bytes] caches, a page spec per
-# cache, block tables as pass inputs) and calls op set 3.
-FORMAT_VERSION = "3.0"
+# cache, block tables as pass inputs) and calls op set 3. 4.0 stores DeepSeek V4.1's records
+# (formats renamed by convention) and records each format's convention (cache_formats.py).
+FORMAT_VERSION = "4.0"
 MANIFEST_LIMIT = 16 << 20
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
@@ -214,6 +216,7 @@ def read_manifest(path) -> dict:
     _check_versions(manifest)
     _check_fingerprint(manifest)
     _conventions(manifest)
+    check_cache_formats(manifest)
     return manifest
 
 
@@ -369,6 +372,7 @@ def load(path, weights=None) -> Package:
     contents = _check_files(root, manifest)
     _check_fingerprint(manifest)
     conventions = _conventions(manifest)
+    check_cache_formats(manifest)
     for convention in conventions.values():
         _check_graph_file(convention, contents)
     # Weights first: a bad checkpoint or weights file is refused before any graph is deserialised.

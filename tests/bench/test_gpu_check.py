@@ -27,5 +27,6 @@ def test_kernel_checks_of_the_script_pass_here():
     gpu_check.RESULTS.clear()
     gpu_check.kernel_bytes("cuda" if torch.cuda.is_available() else "cpu")
     names = [c.name for c in gpu_check.RESULTS]
-    assert len(names) == 13 and "kernel bytes w7 r3 d512" in names and "row ops mxfp4 d128" in names
+    assert len(names) == 17 and "kernel bytes w7 r3 d512" in names
+    assert {f"row ops {fmt}" for fmt in ("dsv41_mxfp8 d512", "dsv41_nvfp4 d64", "dsv41_mxfp4 d128")} <= set(names)
     assert [c.name for c in gpu_check.RESULTS if not c.ok] == []

@@ -10,10 +10,10 @@ from b12x_toolchain.runtime.formats.layout import staging_shape
 ops = torch.ops.b12x_toolchain
 
 ROWS, SLOTS, WIDTH, DIM = 2, 3, 8, 64
-ROW_BYTES = 66  # one mxfp8 row of 64 dims: 64 element bytes + 2 scale bytes
+ROW_BYTES = 66  # one dsv41_mxfp8 row of 64 dims: 64 element bytes + 2 scale bytes
 HISTORY = 128  # the only history length the fused op is qualified for
 LAYOUT, PAGE = "NHD", 16
-FMT = "mxfp8"
+FMT = "dsv41_mxfp8"
 TOKENS = HISTORY + WIDTH
 
 

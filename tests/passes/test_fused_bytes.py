@@ -71,5 +71,5 @@ def test_window_staging_holds_snapshot_then_appended_rows(fused_pkg):
     ring = session.caches["cache.layer0.window"][slot]
     expected_history = ring[torch.remainder(torch.arange(pos - 128, pos), 128)]
     assert torch.equal(view[:128], expected_history)
-    decoded = get_format("mxfp8").decode(view[128:136], 64)
+    decoded = get_format("dsv41_mxfp8").decode(view[128:136], 64)
     assert torch.isfinite(decoded).all() and decoded.abs().sum() > 0

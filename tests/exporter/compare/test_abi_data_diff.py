@@ -10,8 +10,8 @@ def test_buffer_and_pass_data_changes_are_reported(tiny_recipe):
     base = contract_manifest(tiny_recipe)
     assert diff_manifests(base, base) == []
     changes = {
-        "buffer": (lambda m: m["buffers"]["cache.layer2.compressed"].update(format="mxfp8"),
-                   ["buffer cache.layer2.compressed: format nvfp4 -> mxfp8"]),
+        "buffer": (lambda m: m["buffers"]["cache.layer2.compressed"].update(format="dsv41_mxfp8"),
+                   ["buffer cache.layer2.compressed: format dsv41_nvfp4 -> dsv41_mxfp8"]),
         "pass": (lambda m: m["passes"]["commit"].update(reads_staging_of=None),
                  ["pass commit: reads_staging_of verify -> None"]),
         "row input": (lambda m: m["passes"]["verify"]["row_inputs"].update(positions="slot_ids"),

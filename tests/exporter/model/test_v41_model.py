@@ -80,11 +80,22 @@ def test_incremental_equals_single_forward(fp32_pkg, tiny_recipe, expected, sequ
 
 def test_quantised_formats_stay_within_bound(quantised_pkg, tiny_recipe, expected, sequences):
     """Each quantised read adds noise of relative size ε to what a layer attends to or ranks
-    with: MXFP8 window rows ε = 2^-4 (3 mantissa bits, round to nearest), NVFP4 entries and
-    MXFP4 index keys ε = 2^-2 (E2M1 has 1 mantissa bit; half a step at 4 -> 6 is 1/4). The
-    normalised residual streams carry independent noise on without growth, so the logits'
-    RMS error relative to their RMS stays within sqrt(sum of ε^2 over reads). A maximum over
-    positions is not bounded: the indexer's top-k and MoE routing are discontinuous."""
+    with, derived from the V4.1 records' rules (formats/dsv41.py):
+
+    * window rows (dsv41_mxfp8): the scale 2^e is the power of two at or above amax / 448, so
+      the block maximum lands in (224, 448] * 2^e and no element saturates (bar < 2^-21 in
+      blocks a few ulps above 448 * 2^k). E4M3 keeps 3 mantissa bits: a normal element moves
+      by at most 2^-4 of itself, a subnormal one by at most 2^-10 * 2^e < 2^-17 amax. ε = 2^-4.
+    * compressed entries (dsv41_nvfp4): s = E4M3(max(amax, 6 * 2^-9) / 6) is within 2^-4 of
+      amax / 6 while normal, so |x / s| <= 6.4 and saturation costs under 2^-2 |x|; E2M1's
+      1 mantissa bit moves |x / s| >= 1 by at most 2^-2 of itself and smaller ones by at most
+      s / 4 (blocks below 6 * 2^-10 round to zeros). ε = 2^-2.
+    * index keys (ocp_mxfp4): E2M1 under a power-of-two scale, ε = 2^-2.
+
+    The normalised residual streams carry independent noise on without growth, so the
+    logits' RMS error relative to their RMS stays within sqrt(sum of ε^2 over reads). A
+    maximum over positions is not bounded: the indexer's top-k and MoE routing are
+    discontinuous."""
     d = Dims.from_recipe(tiny_recipe)
     compressed = [i for i in range(d.layers) if d.ratios[i]]
     ranking = [i for i in compressed if d.role(i) in ("full", "reindex")]

@@ -119,7 +119,7 @@ def test_incremental_logits_match_reference(fp32_pkg, recipe, expected, sequence
 
 
 def test_quantised_formats_stay_within_bound(quantised_pkg, recipe, expected, sequences):
-    """MXFP8 cache rows: every element within relative ε = 2^-4 of its value.
+    """OCP MXFP8 cache rows (dsv4-tiny's ocp_mxfp8): every element within relative ε = 2^-4.
 
     E4M3 keeps 3 mantissa bits, so round-to-nearest moves a value by at most half a unit
     in the last place, 2^-4 relative; the block's power-of-two scale keeps the block

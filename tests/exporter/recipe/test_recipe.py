@@ -70,7 +70,7 @@ def test_tiny_recipe_values():
     assert (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads) == (512, 128, 6, 2)
     assert (m.head_dim, m.rope_head_dim, m.q_lora_rank, m.moe.intermediate_size) == (64, 16, 64, 128)
     assert (m.csa2.kv_source_layer_ids, m.csa2.index_source_layer_ids) == ((2, 4), (2, 4, 5))
-    assert (m.draft.markov_rank, m.draft.moe.experts_per_token, r.cache.index_format) == (16, 3, "mxfp4")
+    assert (m.draft.markov_rank, m.draft.moe.experts_per_token, r.cache.index_format) == (16, 3, "dsv41_mxfp4")
     assert m.compress_ratios == (0, 0, 2, 2, 1, 1, 0, 0)
     assert m.target_ratios == (0, 0, 2, 2, 1, 1)
     assert {0, 1, 2} <= set(m.target_ratios)  # every layer kind present
@@ -93,7 +93,7 @@ def test_full_recipe_values():
     assert (m.max_seq_len, m.rms_norm_eps, m.rope_theta, m.compress_rope_theta) == (1048576, 1e-20, 10000.0, 160000.0)
     assert isinstance(m.rope_theta, float)
     assert m.draft.stages == 3 and m.draft.target_layer_ids == (37, 38, 39)
-    assert (r.cache.window_format, r.cache.compressed_format, r.cache.state_format) == ("mxfp8", "nvfp4", "fp32")
+    assert (r.cache.window_format, r.cache.compressed_format, r.cache.state_format) == ("dsv41_mxfp8", "dsv41_nvfp4", "fp32")
     assert r.cache.staging.layout == "NHD" and r.cache.staging.page_size == 64
     for name in ("verify", "draft", "commit"):
         assert getattr(r.passes, name).rows_buckets == (1, 2, 4, 8, 16, 32)

@@ -37,7 +37,7 @@ def test_graph_prints_one_node_per_line_with_ops_and_shapes(fused_path, fused_pk
     assert "%entry_block_table : int32[rows, 16]  (input)" in lines
     fused = [line for line in lines if f"= {FUSED}(" in line]
     assert len(fused) == 6
-    assert fused[0].endswith("'mxfp8')  # writes %staging.verify.layer0.window")
+    assert fused[0].endswith("'dsv41_mxfp8')  # writes %staging.verify.layer0.window")
     assert re.fullmatch(r"return \{logits: %\w+\}", lines[-1])
     assert any(line.endswith(": float32[rows, 8, 512]") for line in lines)
 
@@ -76,7 +76,7 @@ def test_onnx_views_pass_the_checker(fused_path, fused_pkg, tmp_path):
     # In-place writes are new versions: the staging buffer goes in, its next version comes out.
     assert fused[0].input[1] == "staging.verify.layer0.window" and fused[0].output == ["staging.verify.layer0.window@1"]
     assert {a.name: onnx.helper.get_attribute_value(a) for a in fused[0].attribute} == {
-        "history": 128, "layout": b"NHD", "page_size": 16, "fmt": b"mxfp8"}
+        "history": 128, "layout": b"NHD", "page_size": 16, "fmt": b"dsv41_mxfp8"}
     assert "staging.verify.layer0.window@1" in [o.name for o in verify.graph.output]
     logits = next(o for o in verify.graph.output if o.name == "logits")
     assert [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim] == ["rows", 8, 512]

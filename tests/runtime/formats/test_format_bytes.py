@@ -1,4 +1,4 @@
-"""Exact bytes and exact decoded floats of mxfp8, nvfp4 and mxfp4, and their error bounds.
+"""Exact bytes and exact decoded floats of the block formats, and their error bounds.
 
 Every expected byte and float below is written out by hand from the layouts in the
 docstring of b12x_toolchain.runtime.formats.codecs (the derivation is in the comment next to it), never
@@ -20,9 +20,9 @@ import torch
 from b12x_toolchain.runtime.formats import codecs as formats
 from b12x_toolchain.runtime.formats.codecs import FORMATS
 
-MX8 = FORMATS["mxfp8"]
-NV4 = FORMATS["nvfp4"]
-MX4 = FORMATS["mxfp4"]
+MX8 = FORMATS["ocp_mxfp8"]
+NV4 = FORMATS["dsv41_nvfp4"]
+MX4 = FORMATS["ocp_mxfp4"]
 NAN = float("nan")
 INF = float("inf")
 
@@ -52,11 +52,12 @@ def _check(fmt, x, want_bytes, want_floats):
 @pytest.mark.parametrize(
     "name,dim,nbytes",
     [
-        ("mxfp8", 512, 528),  # 512 elements + 16 scales
-        ("nvfp4", 512, 288),  # 256 nibble bytes + 32 scales
-        ("mxfp4", 128, 68),  # 64 nibble bytes + 4 scales: the indexer keys
-        ("mxfp4", 512, 272),  # 256 + 16
-        ("mxfp4", 32, 17),
+        ("ocp_mxfp8", 512, 528),  # 512 elements + 16 scales
+        ("dsv41_mxfp8", 512, 528),  # the V4.1 window record
+        ("dsv41_nvfp4", 512, 288),  # 256 nibble bytes + 32 scales: the V4.1 compressed record
+        ("ocp_mxfp4", 128, 68),  # 64 nibble bytes + 4 scales: the indexer keys
+        ("ocp_mxfp4", 512, 272),  # 256 + 16
+        ("ocp_mxfp4", 32, 17),
     ],
 )
 def test_row_bytes(name, dim, nbytes):
@@ -66,33 +67,33 @@ def test_row_bytes(name, dim, nbytes):
 
 
 @pytest.mark.parametrize("dim", [16, 48, 100, 0])
-def test_mxfp4_rejects_dims_that_are_not_whole_blocks(dim):
-    with pytest.raises(ValueError, match=rf"mxfp4: dim {dim}\b.*32"):
+def test_ocp_mxfp4_rejects_dims_that_are_not_whole_blocks(dim):
+    with pytest.raises(ValueError, match=rf"ocp_mxfp4: dim {dim}\b.*32"):
         MX4.row_bytes(dim)
 
 
-def test_mxfp4_is_registered():
-    assert formats.get_format("mxfp4") is MX4
-    assert (MX4.name, MX4.block, MX4.block_bytes) == ("mxfp4", 32, 17)
+def test_ocp_mxfp4_is_registered():
+    assert formats.get_format("ocp_mxfp4") is MX4
+    assert (MX4.name, MX4.block, MX4.block_bytes) == ("ocp_mxfp4", 32, 17)
 
 
-# ---------------------------------------------------------------------------- mxfp8
+# ---------------------------------------------------------------------------- ocp_mxfp8
 
 
-def test_mxfp8_zeros_and_negative_zeros():
+def test_ocp_mxfp8_zeros_and_negative_zeros():
     # amax == 0 -> scale 0x00, elements 0x00, whatever the sign of the zeros; decodes to +0.0.
     _check(MX8, torch.zeros(32), [0] * 33, [0.0] * 32)
     _check(MX8, torch.full((64,), -0.0), [0] * 66, [0.0] * 64)
 
 
-def test_mxfp8_format_maxima():
+def test_ocp_mxfp8_format_maxima():
     # 448 = 1.75 * 2^8 -> e = 0, byte 127 = 0x7F; +-448 -> 0x7E / 0xFE.
     _check(MX8, _row([448.0, -448.0], 32), [0x7E, 0xFE] + [0] * 30 + [0x7F], [448.0, -448.0])
     # 0.4375 = 1.75 * 2^-2 -> e = -10, byte 117 = 0x75; x * 2^10 = +-448 again.
     _check(MX8, _row([0.4375, -0.4375], 32), [0x7E, 0xFE] + [0] * 30 + [0x75], [0.4375, -0.4375])
 
 
-def test_mxfp8_subnormal_elements():
+def test_ocp_mxfp8_subnormal_elements():
     # amax = 1 -> e = -8, byte 119 = 0x77; v = x * 2^8. E4M3 normals start at 2^-6
     # (x = 2^-14); below, the grid is n * 2^-9 (x = n * 2^-17).
     #   1          -> v = 2^8: exponent 15 -> 0x78
@@ -113,7 +114,7 @@ def test_mxfp8_subnormal_elements():
     )
 
 
-def test_mxfp8_float32_subnormal_block_uses_the_clamped_scale():
+def test_ocp_mxfp8_float32_subnormal_block_uses_the_clamped_scale():
     # amax = 2^-130 -> e = -130 - 8 = -138, clamped to -127 -> byte 0x00; v = x * 2^127:
     #   2^-130 -> 2^-3: exponent -3 + 7 = 4 -> 0x20;  2^-136 -> 2^-9 -> 0x01;
     #   -2^-149 (smallest float32 subnormal) -> -2^-22 rounds to -0 -> 0x80.
@@ -125,7 +126,7 @@ def test_mxfp8_float32_subnormal_block_uses_the_clamped_scale():
     )
 
 
-def test_mxfp8_nan_block():
+def test_ocp_mxfp8_nan_block():
     # Block 0 holds a NaN -> 32 x 0x7F and scale 0xFF, decodes to NaN throughout.
     # Block 1 = [-1, 0...]: e = -8 -> 0x77; -1 * 2^8 = -256 -> 0x80 | 0x78 = 0xF8.
     for nan in (NAN, -NAN):
@@ -134,7 +135,7 @@ def test_mxfp8_nan_block():
         _check(MX8, x, [0x7F] * 32 + [0xF8] + [0] * 31 + [0xFF, 0x77], [NAN] * 32 + [-1.0])
 
 
-def test_mxfp8_block_maximum_sets_the_scale():
+def test_ocp_mxfp8_block_maximum_sets_the_scale():
     # amax = 3 = 1.5 * 2^1 -> e = 1 - 8 = -7, byte 120 = 0x78; v = x * 2^7:
     #   3    -> 384 = 1.5 * 2^8: exponent 15, mantissa 4 -> 0x7C
     #   0.1  -> 12.8 = 1.6 * 2^3: mantissa 4.8 -> 5 -> exponent 10 -> 0x55, decodes 13 * 2^-7
@@ -147,7 +148,7 @@ def test_mxfp8_block_maximum_sets_the_scale():
     )
 
 
-def test_mxfp8_ties_to_even():
+def test_ocp_mxfp8_ties_to_even():
     # amax = 1.1875 -> e = -8, byte 0x77; v = x * 2^8. Steps: 32 in [256, 512), 16 in [128, 256).
     #   1.0625   -> 272: tie of 256 (m 0) and 288 (m 1) -> 256 -> 0x78, decodes 1
     #   1.1875   -> 304: tie of 288 (m 1) and 320 (m 2) -> 320 -> 0x7A, decodes 1.25
@@ -160,34 +161,35 @@ def test_mxfp8_ties_to_even():
     )
 
 
-def test_mxfp8_negative_zero_in_a_live_block():
+def test_ocp_mxfp8_negative_zero_in_a_live_block():
     # amax = 1 -> 0x77. -0.0 -> 0x80 (the cast keeps the sign); -2^-20 -> v = -2^-12 rounds
     # to -0 -> 0x80. Both decode to -0.0.
     _check(MX8, _row([1.0, -0.0, -(2.0**-20)], 32), [0x78, 0x80, 0x80] + [0] * 29 + [0x77], [1.0, -0.0, -0.0])
 
 
-def test_mxfp8_infinities():
+def test_ocp_mxfp8_infinities():
     # +-inf count as float32 max = (2 - 2^-23) * 2^127 -> e = 127 - 8 = 119, byte 246 = 0xF6;
     # they saturate to +-448 (0x7E / 0xFE) and decode to +-448 * 2^119 = +-1.75 * 2^127.
     _check(MX8, _row([INF, -INF], 32), [0x7E, 0xFE] + [0] * 30 + [0xF6], [1.75 * 2.0**127, -1.75 * 2.0**127])
 
 
-# ---------------------------------------------------------------------------- nvfp4
+# ---------------------------------------------------------------------------- dsv41_nvfp4 (the V4.1 compressed record)
 
 
-def test_nvfp4_zeros_and_negative_zeros():
-    _check(NV4, torch.zeros(16), [0] * 9, [0.0] * 16)
-    _check(NV4, torch.full((32,), -0.0), [0] * 18, [0.0] * 32)
+def test_dsv41_nvfp4_zeros_and_negative_zeros():
+    # amax 0 is raised to 6 * 2^-9: s = 2^-9 (0x01). The sign bit is signbit(x): -0.0 -> 0x8.
+    _check(NV4, torch.zeros(16), [0] * 8 + [0x01], [0.0] * 16)
+    _check(NV4, torch.full((32,), -0.0), [0x88] * 16 + [0x01, 0x01], [-0.0] * 32)
 
 
-def test_nvfp4_format_maxima():
+def test_dsv41_nvfp4_format_maxima():
     # 2688 = 6 * 448: s = E4M3(448) = 0x7E, q = +-6 -> nibbles 0x7, 0xF -> byte 0xF7.
     _check(NV4, _row([2688.0, -2688.0], 16), [0xF7] + [0] * 7 + [0x7E], [2688.0, -2688.0])
     # amax = 6 -> s = 1 = 0x38 (exponent 7); q = x: 6 -> 7, -6 -> 0xF, 3 -> 5, -0.5 -> 0x9.
     _check(NV4, _row([6.0, -6.0, 3.0, -0.5], 16), [0xF7, 0x95] + [0] * 6 + [0x38], [6.0, -6.0, 3.0, -0.5])
 
 
-def test_nvfp4_subnormal_scale_and_elements():
+def test_dsv41_nvfp4_subnormal_scale_and_elements():
     # amax = 9 * 2^-8 -> amax / 6 = 3 * 2^-9: E4M3 subnormal 3 -> s = 0x03, exact. q = x / s:
     #   9 * 2^-8     -> 6 -> 7
     #   -3 * 2^-10   -> -0.5 (the E2M1 subnormal) -> 0x9
@@ -202,23 +204,24 @@ def test_nvfp4_subnormal_scale_and_elements():
     )
 
 
-def test_nvfp4_scale_below_half_the_smallest_subnormal_flushes_the_block():
-    # amax = 6 * 2^-10 -> amax / 6 = 2^-10: tie of 0 and 2^-9 -> even 0 -> s = 0: all zero.
-    _check(NV4, _row([6 * 2.0**-10, -0.001], 16), [0] * 9, [0.0] * 16)
-    # amax = 6.5 * 2^-10 -> amax / 6 = 1.083 * 2^-10 -> 2^-9 = 0x01; q = 3.25 -> 3 (code 5).
+def test_dsv41_nvfp4_small_blocks_keep_the_smallest_scale():
+    # amax = 6 * 2^-10 is raised to 6 * 2^-9 -> s = 2^-9 = 0x01 (nothing flushes to zero):
+    # q = 6 * 2^-10 / 2^-9 = 3 -> code 5;  -0.001 / 2^-9 = -0.512 -> 0.5 -> 1|8 = 0x9.
+    _check(NV4, _row([6 * 2.0**-10, -0.001], 16), [0x95] + [0] * 7 + [0x01], [3 * 2.0**-9, -0.5 * 2.0**-9])
+    # amax = 6.5 * 2^-10, raised the same way -> 0x01; q = 3.25 -> 3 (code 5).
     _check(NV4, _row([6.5 * 2.0**-10], 16), [0x05] + [0] * 7 + [0x01], [3 * 2.0**-9])
 
 
-def test_nvfp4_nan_block():
-    # Block 0 holds a NaN -> nibbles 0 and scale 0x7F (E4M3 NaN): NaN throughout.
+def test_dsv41_nvfp4_nan_block():
+    # Block 0 holds a NaN -> every nibble 0x7 and scale 0x7F (E4M3 NaN): NaN throughout.
     # Block 1 = [-3, 0...]: s = E4M3(0.5) = exponent 6 -> 0x30; q = -6 -> 0xF.
     for nan in (NAN, -NAN):
         x = _row([1.0, nan], 32)
         x[16] = -3.0
-        _check(NV4, x, [0] * 8 + [0x0F] + [0] * 7 + [0x7F, 0x30], [NAN] * 16 + [-3.0])
+        _check(NV4, x, [0x77] * 8 + [0x0F] + [0] * 7 + [0x7F, 0x30], [NAN] * 16 + [-3.0])
 
 
-def test_nvfp4_block_maximum_sets_the_scale():
+def test_dsv41_nvfp4_block_maximum_sets_the_scale():
     # amax = 7 -> 7 / 6 = 1.1667: mantissa 1.33 -> 1 -> s = 1.125 = 0x39. q = x / 1.125:
     #   7 -> 6.22 saturates -> 7;  1 -> 0.889 (>= 0.75) -> 2;  -2 -> -1.78 (>= 1.75) -> 0xC
     #   4 -> 3.56 (>= 3.5) -> 6;  0.5 -> 0.444 -> 1
@@ -230,7 +233,7 @@ def test_nvfp4_block_maximum_sets_the_scale():
     )
 
 
-def test_nvfp4_ties_to_even():
+def test_dsv41_nvfp4_ties_to_even():
     # Elements: amax = 12 -> s = E4M3(2) = exponent 8 -> 0x40; q = x / 2 lands on every
     # E2M1 midpoint: 0.25 -> 0, 0.75 -> 2, 1.25 -> 2, 1.75 -> 4, 2.5 -> 4, 3.5 -> 6, 5 -> 6.
     # x:     12  0.5  1.5  2.5  3.5  5  7  10  -1.5  -10  -0.5
@@ -248,22 +251,22 @@ def test_nvfp4_ties_to_even():
     _check(NV4, x, [0x07] + [0] * 7 + [0x07] + [0] * 7 + [0x38, 0x3A], [6.0] + [0.0] * 15 + [7.5])
 
 
-def test_nvfp4_negative_zero_in_a_live_block():
-    # The sign bit is x < 0: -0.0 -> 0x0 and decodes +0.0; -0.2 -> q = -0.2 rounds to zero
-    # with the sign -> 0x8, decodes -0.0. amax = 6 -> s = 0x38.
-    _check(NV4, _row([6.0, -0.0, -0.2], 16), [0x07, 0x08] + [0] * 6 + [0x38], [6.0, 0.0, -0.0])
+def test_dsv41_nvfp4_negative_zero_in_a_live_block():
+    # The sign bit is signbit(x): -0.0 -> 0x8 and decodes -0.0; -0.2 -> q = -0.2 rounds to
+    # zero with the sign -> 0x8, decodes -0.0. amax = 6 -> s = 0x38.
+    _check(NV4, _row([6.0, -0.0, -0.2], 16), [0x87, 0x08] + [0] * 6 + [0x38], [6.0, -0.0, -0.0])
 
 
-# ---------------------------------------------------------------------------- mxfp4
+# ---------------------------------------------------------------------------- ocp_mxfp4
 
 
-def test_mxfp4_zeros_and_negative_zeros():
+def test_ocp_mxfp4_zeros_and_negative_zeros():
     _check(MX4, torch.zeros(32), [0] * 17, [0.0] * 32)
     # A 128-dim indexer row of -0.0: four zero blocks.
     _check(MX4, torch.full((128,), -0.0), [0] * 68, [0.0] * 128)
 
 
-def test_mxfp4_format_maxima_and_saturation():
+def test_ocp_mxfp4_format_maxima_and_saturation():
     # 6 = 1.5 * 2^2 -> e = 0, byte 127 = 0x7F; +-6 -> 0x7, 0xF -> byte 0xF7.
     _check(MX4, _row([6.0, -6.0], 32), [0xF7] + [0] * 15 + [0x7F], [6.0, -6.0])
     # amax = 7.9 -> e = 0 still; 7.9 and -7 saturate to +-6 (0x7 / 0xF); 1 -> code 2.
@@ -277,7 +280,7 @@ def test_mxfp4_format_maxima_and_saturation():
     )
 
 
-def test_mxfp4_subnormal_elements():
+def test_ocp_mxfp4_subnormal_elements():
     # amax = 4 -> e = 0, byte 0x7F; q = x. Below the smallest E2M1 normal (1) the only
     # nonzero value is the subnormal 0.5:
     #   4 -> 6;  0.5 -> 1;  -0.5 -> 0x9;  0.25 ties 0 and 0.5 -> 0;  0.75 ties 0.5 (code 1)
@@ -290,7 +293,7 @@ def test_mxfp4_subnormal_elements():
     )
 
 
-def test_mxfp4_float32_subnormal_block_uses_the_clamped_scale():
+def test_ocp_mxfp4_float32_subnormal_block_uses_the_clamped_scale():
     # amax = 2^-127 (a float32 subnormal) -> e = -129, clamped to -127 -> byte 0x00; q = x * 2^127:
     #   2^-127 -> 1 (code 2);  3 * 2^-129 -> 0.75 ties -> code 2;  2^-128 -> 0.5 (code 1);
     #   -2^-149 -> -2^-22 -> 0x8. bytes: (2, 2) = 0x22, (1, 8) = 0x81.
@@ -302,7 +305,7 @@ def test_mxfp4_float32_subnormal_block_uses_the_clamped_scale():
     )
 
 
-def test_mxfp4_nan_block():
+def test_ocp_mxfp4_nan_block():
     # Block 0 holds a NaN -> nibbles 0 and scale 0xFF: NaN throughout. Block 1 = [-1.5, 0...]:
     # 1.5 = 1.5 * 2^0 -> e = -2, byte 125 = 0x7D; q = -6 -> 0xF. Nibbles of both blocks
     # come first (16 + 16 bytes), then the two scales.
@@ -312,7 +315,7 @@ def test_mxfp4_nan_block():
         _check(MX4, x, [0] * 16 + [0x0F] + [0] * 15 + [0xFF, 0x7D], [NAN] * 32 + [-1.5])
 
 
-def test_mxfp4_block_maximum_sets_the_scale():
+def test_ocp_mxfp4_block_maximum_sets_the_scale():
     # amax = 3 = 1.5 * 2^1 -> e = 1 - 2 = -1, byte 126 = 0x7E; q = x * 2:
     #   3 -> 6 -> 7;  -1 -> -2 -> 0xC;  0.7 -> 1.4 (> 1.25) -> 3 (1.5);  1.3 -> 2.6 (> 2.5) -> 5 (3)
     #   0.1 -> 0.2 -> 0.  bytes: (7, C) = 0xC7, (3, 5) = 0x53. Decode: q-value / 2.
@@ -323,7 +326,7 @@ def test_mxfp4_block_maximum_sets_the_scale():
     )
 
 
-def test_mxfp4_ties_to_even():
+def test_ocp_mxfp4_ties_to_even():
     # amax = 12 = 1.5 * 2^3 -> e = 1, byte 128 = 0x80; q = x / 2 lands on every midpoint
     # (same codes as the nvfp4 case, whose scale is also 2):
     # x:     12  0.5  1.5  2.5  3.5  5  7  10  -1.5  -10  -0.5
@@ -335,13 +338,13 @@ def test_mxfp4_ties_to_even():
     )
 
 
-def test_mxfp4_negative_zero_in_a_live_block():
+def test_ocp_mxfp4_negative_zero_in_a_live_block():
     # As mxfp8 (unlike nvfp4) the sign bit is the input's: -0.0 -> 0x8 and -0.2 -> 0x8, both
     # decode to -0.0. amax = 6 -> 0x7F. bytes: (7, 8) = 0x87, (8, 0) = 0x08.
     _check(MX4, _row([6.0, -0.0, -0.2], 32), [0x87, 0x08] + [0] * 14 + [0x7F], [6.0, -0.0, -0.0])
 
 
-def test_mxfp4_decodes_every_nibble():
+def test_ocp_mxfp4_decodes_every_nibble():
     # Scale byte 0x7F (2^0): nibble n decodes to the E2M1 table; 0x81 (2^2) scales it by 4;
     # 0xFF makes the whole block NaN whatever its nibbles.
     table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -403,7 +406,7 @@ def _mx_e(xb, emax):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_mxfp8_round_trip_error_bound(kind):
+def test_ocp_mxfp8_round_trip_error_bound(kind):
     # Bound. With e as above, v = x * 2^-e is exact (a power-of-two scaling) and |v| < 2^9.
     #  * 2^-6 <= |v| <= 448 (E4M3 normal): 3 mantissa bits, so RNE errs by at most half an
     #    ulp, 2^(floor(log2 |v|) - 4) <= 2^-4 |v|: |x - q(x)| <= 2^-4 |x|.
@@ -429,7 +432,7 @@ def test_mxfp8_round_trip_error_bound(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_mxfp4_round_trip_error_bound(kind):
+def test_ocp_mxfp4_round_trip_error_bound(kind):
     # Bound. e = clamp(floor(log2 amax) - 2, -127, 127), v = x * 2^-e, |v| < 8.
     #  * 1 <= |v| <= 6 (E2M1 normal): 1 mantissa bit, half an ulp is
     #    2^(floor(log2 |v|) - 2) <= 2^-2 |v|: |x - q(x)| <= 2^-2 |x|.
@@ -457,8 +460,9 @@ def test_mxfp4_round_trip_error_bound(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_nvfp4_round_trip_error_bound(kind):
-    # Bound. a = amax / 6 is rounded to the E4M3 scale s (clamped to 448).
+def test_dsv41_nvfp4_round_trip_error_bound(kind):
+    # Bound for the V4.1 compressed record. a = max(amax, 6 * 2^-9) / 6 >= 2^-9 is rounded to
+    # the E4M3 scale s (clamped to 448), so s >= 2^-9 > 0 in every block.
     #  * Scale: for 2^-6 <= a <= 448, RNE with 3 mantissa bits gives |s - a| <= 2^-4 a; for
     #    a < 2^-6 (subnormal grid 2^-9), |s - a| <= 2^-10; above 448, s = 448.
     #  * Elements: q = x / s rounded to E2M1. For 1 <= |q| <= 6: |x - q(x)| <= 2^-2 |x| (half
@@ -466,7 +470,7 @@ def test_nvfp4_round_trip_error_bound(kind):
     #    for |q| > 6: saturates, q(x) = +-6 s exactly. While s is a normal E4M3 value,
     #    s >= a (1 - 2^-4) bounds |q| <= 6 / (1 - 2^-4) = 6.4, so the saturation error
     #    |x| - 6 s is below 2^-2 |x| too.
-    #  * s = 0 (a <= 2^-10): the block decodes to zeros, |x| <= 6 * 2^-10.
+    #  * A block with amax < 6 * 2^-10 (a = 2^-9, q < 0.5) decodes to zeros of its sign.
     # x / s is a float32 division: its rounding could at worst put a value within 2^-24
     # (relative) of a midpoint onto it, hence the factor 1 + 2^-20 on the element bounds.
     x = _data(kind, 32, 512, seed=20 + KINDS.index(kind))
@@ -474,26 +478,128 @@ def test_nvfp4_round_trip_error_bound(kind):
     dec = NV4.decode(enc, 512)
     xb, db = x.view(32, 32, 16).double(), dec.view(32, 32, 16).double()
     s = enc[:, 256:].contiguous().view(torch.float8_e4m3fn).double().unsqueeze(-1)
-    a = xb.abs().amax(-1, keepdim=True) / 6
+    a = xb.abs().amax(-1, keepdim=True).clamp_min(6 * 2**-9) / 6
+    assert (s >= 2**-9).all()
     normal_s = (a >= 2**-6) & (a <= 448)
     assert ((s - a).abs()[normal_s] <= 2**-4 * a[normal_s]).all()
     assert ((s - a).abs()[a < 2**-6] <= 2**-10).all()
     assert (s[a > 448] == 448).all()
-    live = (s > 0).expand_as(xb)
     s = s.expand_as(xb)
-    q = (xb / torch.where(live, s, 1.0)).abs()
+    q = (xb / s).abs()
     err = (db - xb).abs()
     slack = 1 + 2**-20
-    normal, sub, sat = live & (q >= 1) & (q <= 6), live & (q < 1), live & (q > 6)
+    normal, sub, sat = (q >= 1) & (q <= 6), q < 1, q > 6
     assert (err[normal] <= 2**-2 * xb.abs()[normal] * slack).all()
     assert (err[sub] <= 2**-2 * s[sub] * slack).all()
     assert torch.equal(db[sat], (xb.sign() * 6 * s)[sat])
     in_range = normal_s.expand_as(xb)
     assert (err[sat & in_range] <= 2**-2 * xb.abs()[sat & in_range]).all()
-    assert (db[~live] == 0).all() and (xb.abs()[~live] <= 6 * 2**-10).all()
     if kind in ("1", "binades"):
         assert normal.any()
     if kind == "tiny":
-        assert not live.any()  # 2^-135-sized blocks: a < 2^-10 everywhere
+        assert (db == 0).all()  # 2^-135-sized blocks: q < 0.25 everywhere
     if kind == "huge":
         assert sat.float().mean() > 0.99  # s = 448 and nearly everything saturates
+
+
+# ---------------------------------------------------------------------------- dsv41_mxfp8
+# The V4.1 window record: e = ceil(log2(max(amax, 1e-4) / 448)) with float32 log2, scale byte
+# e + 127, elements E4M3(clamp(x / 2^e)). E4M3 at exponent 7 is 128 * (1 + m/8) (step 16),
+# at exponent 8 is 256 * (1 + m/8) (step 32): byte = sign | (exponent + 7) << 3 | m.
+
+W41 = FORMATS["dsv41_mxfp8"]
+
+
+def test_window_record_zero_blocks_take_the_1e4_floor():
+    # amax 0 -> 1e-4 / 448 = 2.23e-7 = 2^-22.1 -> e = -22, byte 105 = 0x69; -0.0 keeps 0x80.
+    _check(W41, _row([0.0, -0.0], 32), [0x00, 0x80] + [0] * 30 + [0x69], [0.0, -0.0])
+
+
+def test_window_record_takes_the_power_of_two_at_or_above_amax_over_448():
+    # amax 448 -> q = 1 -> e = 0 (0x7F): 448 -> 0x7E, -448 -> 0xFE, 1 -> 0x38.
+    _check(W41, _row([448.0, -448.0, 1.0], 32), [0x7E, 0xFE, 0x38] + [0] * 29 + [0x7F], [448.0, -448.0, 1.0])
+    # amax 449 -> q = 1.0022 -> e = 1 (0x80): 449 / 2 = 224.5 -> 224 = 1.75 * 2^7 -> 0x76, decoding
+    # 448 (the OCP rule keeps e = 0 and saturates 449 to 448 with the same value).
+    _check(W41, _row([449.0], 32), [0x76] + [0] * 31 + [0x80], [448.0])
+    # amax 10 -> q = 0.0223 = 2^-5.49 -> e = -5 (0x7A): 10 * 32 = 320 = 1.25 * 2^8 -> 0x7A;
+    # 0.1 * 32 = 3.2 -> 3.25 = 1.625 * 2 -> 0x45, decoding 0.1015625.
+    _check(W41, _row([10.0, 0.1], 32), [0x7A, 0x45] + [0] * 30 + [0x7A], [10.0, 0.1015625])
+
+
+def test_window_record_follows_float32_log2_one_ulp_above_a_power_of_two():
+    # amax = 7 + 2^-21 (one float32 ulp above 7): q = amax / 448 rounds to 2^-6 + 2^-29, one
+    # ulp above 2^-6. log2 of it is -6 + 1.7e-7, whose nearest float32 is -6 (spacing 4.8e-7
+    # there): e = -6 (0x79), and amax * 64 = 448.00003 clamps to 448 (0x7E), decoding 7.
+    _check(W41, _row([7.0 + 2.0**-21], 32), [0x7E] + [0] * 31 + [0x79], [7.0])
+    # Three ulps above 7 make q two ulps above 2^-6: log2 -6 + 3.4e-7 rounds to -6 + 4.8e-7,
+    # so e = -5 (0x7A) and amax * 32 = 224.00002 -> 224 (0x76), also decoding 7.
+    _check(W41, _row([7.0 + 3 * 2.0**-21], 32), [0x76] + [0] * 31 + [0x7A], [7.0])
+
+
+def test_window_record_non_finite_values():
+    # +-inf count as float32 max: q = 7.6e35 = 2^119.2 -> e = 120 (0xF7); +-inf -> +-448
+    # (0x7E, 0xFE), decoding +-448 * 2^120, beyond float32: +-inf again. 1 * 2^-120 -> 0.
+    _check(W41, _row([INF, -INF, 1.0], 32), [0x7E, 0xFE, 0x00] + [0] * 29 + [0xF7], [INF, -INF, 0.0])
+    # NaN elements are 0x7F; the rest as without them: amax 2 -> q = 2^-7.8 -> e = -7 (0x78);
+    # 1 * 128 = 128 -> 0x70, -2 * 128 = -256 -> 0xF8.
+    _check(W41, _row([NAN, 1.0, -2.0], 32), [0x7F, 0x70, 0xF8] + [0] * 29 + [0x78], [NAN, 1.0, -2.0])
+
+
+def _ue8m0_round_trip(fmt, kind, dim, seed):
+    """(x, decoded, 2^e per block, |x| / 2^e) in float64 blocks of 32 of a UE8M0-scaled format."""
+    x = _data(kind, 32, dim, seed=seed)
+    enc = fmt.encode(x)
+    xb, db = x.view(32, dim // 32, 32).double(), fmt.decode(enc, dim).view(32, dim // 32, 32).double()
+    step = torch.exp2(enc[:, -(dim // 32):].double() - 127).unsqueeze(-1)
+    return xb, db, step, (xb / step).abs()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_window_record_round_trip_error_bound(kind):
+    # Bound. e is the least exponent with 448 * 2^e >= m = max(amax, 1e-4), bar the few-ulp
+    # blocks where float32 log2 keeps it one lower; so m <= 448 * 2^e * (1 + 2^-21) and,
+    # unless m is a power of two times 448, 448 * 2^(e-1) < m.
+    #  * v = x / 2^e: normal E4M3 (|v| >= 2^-6) keeps 3 mantissa bits, |err| <= 2^-4 |x|;
+    #    subnormal, the step is 2^-9: |err| <= 2^-10 * 2^e.
+    #  * |v| <= 448 (1 + 2^-21): nothing saturates by more than 2^-21 |x|.
+    xb, db, step, v = _ue8m0_round_trip(W41, kind, 512, seed=40 + KINDS.index(kind))
+    m = xb.abs().amax(-1, keepdim=True).clamp_min(float(torch.tensor(1e-4)))
+    assert (m <= 448 * step * (1 + 2**-21)).all()
+    assert (m >= 224 * step).all()  # e is never more than needed
+    err = (db - xb).abs()
+    normal, sub = (v >= 2**-6) & (v <= 448), v < 2**-6
+    assert (err[normal] <= 2**-4 * xb.abs()[normal]).all()
+    assert (err[sub] <= (2**-10 * step).expand_as(v)[sub]).all()
+    assert (err[v > 448] <= 2**-21 * xb.abs()[v > 448]).all()
+    if kind == "1":
+        assert normal.float().mean() > 0.9
+
+
+# ---------------------------------------------------------------------------- dsv41_mxfp4
+# The V4.1 index key: q = max(amax, 6 * 2^-126) * float32(1/6), rounded up to a power of
+# two 2^e on the bits (scale byte e + 127); elements E2M1(x * 2^-e), the sign bit of x.
+
+K41 = FORMATS["dsv41_mxfp4"]
+
+
+def test_index_key_bytes():
+    # amax 6: 6 * float32(1/6) = 1.0000000298 rounds to 1.0 -> e = 0 (0x7F). 6 -> 7, -3 -> 0xD,
+    # 0.25 ties 0 and 0.5 -> 0; 0.75 ties 0.5 and 1 -> code 2.
+    _check(K41, _row([6.0, -3.0, 0.25, 0.75], 32), [0xD7, 0x20] + [0] * 14 + [0x7F], [6.0, -3.0, 0.0, 1.0])
+    # amax 7: q = 1.1667 -> 2 -> e = 1 (0x80); 7 / 2 = 3.5 ties 3 and 4 -> 4 (code 6), decoding
+    # 8 (ocp_mxfp4 keeps e = 0 and saturates 7 to 6).
+    _check(K41, _row([7.0], 32), [0x06] + [0] * 15 + [0x80], [8.0])
+    # A zero block: q = 6 * 2^-126 * float32(1/6) rounds to 2^-126 -> e = -126 (0x01); -0.0 -> 0x8.
+    _check(K41, _row([0.0, -0.0], 32), [0x80] + [0] * 15 + [0x01], [0.0, -0.0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_index_key_round_trip_error_bound(kind):
+    # Bound. 2^e >= amax / 6 (up to the float32 rounding of the product, < 2^-23 relative), so
+    # |v| = |x| / 2^e <= 6 (1 + 2^-22) and nothing saturates by more than that; E2M1 moves a
+    # |v| >= 1 by at most 2^-2 of itself and a smaller one by at most 2^-2 * 2^e.
+    xb, db, step, v = _ue8m0_round_trip(K41, kind, 128, seed=60 + KINDS.index(kind))
+    assert (v <= 6 * (1 + 2**-22)).all()
+    err = (db - xb).abs()
+    assert (err[v >= 1] <= 2**-2 * xb.abs()[v >= 1] * (1 + 2**-20)).all()
+    assert (err[v < 1] <= (2**-2 * step).expand_as(v)[v < 1]).all()

@@ -62,15 +62,15 @@ def results():
     case = window_case(torch.Generator().manual_seed(0), 3, 8, 64, 16)
     out = {}
     s = case["staging"].clone()
-    R.window_snapshot_append(case["ring"], s, case["kv"], case["row_ids"], case["positions"], 128, "NHD", 16, "mxfp8")
+    R.window_snapshot_append(case["ring"], s, case["kv"], case["row_ids"], case["positions"], 128, "NHD", 16, "dsv41_mxfp8")
     out["fused"] = s
     ring = case["ring"].clone()
     R.window_commit(ring, s, case["row_ids"], case["positions"], case["accept_len"], 128, 8)
     out["commit"] = ring
-    out["read"] = R.window_read(s, 136, 64, "mxfp8")
-    out["round_trip"] = R.round_trip(case["kv"], "nvfp4")
-    pages = torch.full((7, 4 * 66), 0xFF, dtype=torch.uint8)  # 4 mxfp8 records of 64 values a page
-    R.write_slots(pages, case["kv"], torch.arange(24).view(3, 8).flip(0) - 1, "mxfp8")  # one -1
+    out["read"] = R.window_read(s, 136, 64, "dsv41_mxfp8")
+    out["round_trip"] = R.round_trip(case["kv"], "dsv41_nvfp4")
+    pages = torch.full((7, 4 * 66), 0xFF, dtype=torch.uint8)  # 4 window records of 64 values a page
+    R.write_slots(pages, case["kv"], torch.arange(24).view(3, 8).flip(0) - 1, "dsv41_mxfp8")  # one -1
     out["write_slots"] = pages
     return out
 

@@ -22,7 +22,7 @@ from benchmarks.kernel_cases import page_case, to_pages
 H, DIM, INDEX_DIM = 4, 64, 32
 
 
-def _case(rows, width, ratio, capacity, positions, seed=0, fmt="nvfp4", index_fmt="mxfp4", ties=False):
+def _case(rows, width, ratio, capacity, positions, seed=0, fmt="dsv41_nvfp4", index_fmt="dsv41_mxfp4", ties=False):
     g = torch.Generator().manual_seed(seed)
     committed = [p // ratio for p in positions]
     entries = torch.randn(rows, capacity, DIM, generator=g)
@@ -246,11 +246,11 @@ def test_fake_implementations_give_static_shapes():
 # ---------------------------------------------------------------- write_slots
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "bf16", "bytes"])
+@pytest.mark.parametrize("fmt", ["dsv41_mxfp8", "dsv41_nvfp4", "bf16", "bytes"])
 def test_write_slots_writes_exactly_the_mapped_records(fmt):
     g = torch.Generator().manual_seed(7)
     rows, width, dim, per_page, pages = 3, 8, 64, 4, 9
-    record_bytes = get_format("mxfp8" if fmt == "bytes" else fmt).row_bytes(dim)
+    record_bytes = get_format("dsv41_mxfp8" if fmt == "bytes" else fmt).row_bytes(dim)
     if fmt == "bytes":  # already-encoded records, copied as they are
         values = torch.randint(0, 256, (rows, width, record_bytes), dtype=torch.uint8, generator=g)
         records = values

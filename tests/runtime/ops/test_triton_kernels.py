@@ -26,11 +26,11 @@ from benchmarks.kernel_cases import edge_rows, kv_rows, window_case  # noqa: E40
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REF = torch.ops.b12x_toolchain
-FORMATS = ("mxfp8", "nvfp4", "mxfp4", "bf16", "fp32")
+FORMATS = ("dsv41_mxfp8", "dsv41_nvfp4", "dsv41_mxfp4", "ocp_mxfp8", "ocp_mxfp4", "bf16", "fp32")
 # 64: the tiny recipe, 512: the full model, 96: not a power of two (padded tiles).
 DIMS = (64, 512, 96)
-# Every format at every dim above, plus the indexer's 128-dim mxfp4 rows.
-FORMAT_DIMS = [(f, d) for f in FORMATS for d in DIMS] + [("mxfp4", 128)]
+# Every format at every dim above, plus the indexer's 128-dim MXFP4 keys.
+FORMAT_DIMS = [(f, d) for f in FORMATS for d in DIMS] + [("dsv41_mxfp4", 128), ("ocp_mxfp4", 128)]
 # (verify width 8 | draft width 7) x (rows 1 | 3) x (tiny: dim 64, page 16 | full: dim 512, page 64)
 WINDOW_CASES = [(w, r, d, p) for w in (8, 7) for r in (1, 3) for d, p in ((64, 16), (512, 64))]
 
@@ -95,7 +95,7 @@ def _e2m1_kernel(x_ptr, e_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_e2m1_rounding_on_the_bits_matches_the_reference_at_every_block_exponent():
-    # mxfp4 elements: E2M1(x * 2^-e) with the sign bit of x. The reference scales in float
+    # MXFP4 elements: E2M1(x * 2^-e) with the sign bit of x. The reference scales in float
     # and compares against the midpoints; the kernel rounds the bits of x directly.
     gen = torch.Generator().manual_seed(1)
     every_bf16 = (torch.arange(65536, dtype=torch.int32) << 16)
@@ -142,7 +142,7 @@ def test_every_format_has_a_triton_codec_and_unknown_names_fail_like_the_referen
 @pytest.mark.parametrize("fmt,dim", FORMAT_DIMS)
 def test_encode_decode_round_trip_match_the_reference(fmt, dim):
     gen = torch.Generator().manual_seed(dim)
-    x = torch.cat([edge_rows(dim), torch.randn(23, dim, generator=gen) * 50]).view(4, 8, dim)
+    x = torch.cat([edge_rows(dim), torch.randn(22, dim, generator=gen) * 50]).view(4, 8, dim)
     want = get_format(fmt).encode(x)
     staging = torch.full_like(want, 0xAB)
     dev_staging, dev_x, dev_want = on_device(staging, x, want)
@@ -154,18 +154,26 @@ def test_encode_decode_round_trip_match_the_reference(fmt, dim):
 
 def test_the_edge_rows_exercise_the_special_cases():
     # Guards the equality above: the edge rows must actually produce the special bytes.
-    enc = get_format("mxfp8").encode(edge_rows(64))
+    enc = get_format("ocp_mxfp8").encode(edge_rows(64))
     assert (enc[3, 64:] == 0xFF).any() and (enc[3, :64] == 0x7F).any()  # NaN block
     assert (enc[0, :64] == 0x7E).any() and (enc[0, :64] == 0xFE).any()  # saturation both signs
     assert (enc[2, :64] == 0).all() and (enc[1, 64:] == 0).all()  # zero blocks, -0.0 included
     assert (enc[7, :64] == 0x7E).all()  # 1.9 * 2^k block maximum saturates
-    enc = get_format("mxfp4").encode(edge_rows(64))  # [9, 32 nibble bytes + 2 scales]
+    enc = get_format("ocp_mxfp4").encode(edge_rows(64))  # [10, 32 nibble bytes + 2 scales]
     assert enc[3, 33] == 0xFF and (enc[3, 16:32] == 0).all()  # NaN block: 0xFF, nibbles 0
-    nibbles = torch.stack((enc[:, :32] & 0xF, enc[:, :32] >> 4), -1).view(9, 64)
+    nibbles = torch.stack((enc[:, :32] & 0xF, enc[:, :32] >> 4), -1).view(10, 64)
     assert (nibbles[0] == 0x7).any() and (nibbles[0] == 0xF).any()  # saturation both signs
     assert (nibbles[0] == 0x8).any()  # -0.0 in a live block keeps its sign
     assert (nibbles[7] == 0x7).all()  # 1.9 * 2^k: 7.6 * 2^e saturates to 6
     assert (enc[2] == 0).all()  # -0.0 blocks are zero blocks
+    enc = get_format("dsv41_mxfp8").encode(edge_rows(64))
+    assert enc[3, 65] != 0xFF and (enc[3, 32:64] == 0x7F).sum() == 1  # NaN: that element only
+    assert enc[0, 64] == 247 and (enc[0, :32] == 0x7E).any()  # +-inf: float32 max's scale
+    assert (enc[1, 64:] == 105).all() and (enc[2, :64] == 0x80).all()  # the 1e-4 floor; -0.0 kept
+    assert (enc[9, 64:] == 121).all() and enc[9, 0] == enc[9, 32] == 0x7E  # one ulp above 7
+    enc = get_format("dsv41_nvfp4").encode(edge_rows(64))  # [10, 32 nibble bytes + 4 scales]
+    assert enc[3, 34] == 0x7F and (enc[3, 16:24] == 0x77).all()  # NaN block: the reference's 0x77
+    assert (enc[1, 32:] == 0x01).all() and (enc[2, :32] == 0x88).all()  # the 2^-9 floor; -0.0 kept
 
 
 # ---------------------------------------------------------------- window ops
@@ -180,12 +188,12 @@ def test_fused_and_unfused_window_kernels_write_the_reference_staging(width, row
     case = window_case(torch.Generator().manual_seed(width * 100 + rows + dim), rows, width, dim, page)
     want = case["staging"].clone()
     REF.window_snapshot(case["ring"], want, case["row_ids"], case["positions"], 128, "NHD", page)
-    REF.cache_append(want, case["kv"], 128, "NHD", page, "mxfp8")
+    REF.cache_append(want, case["kv"], 128, "NHD", page, "dsv41_mxfp8")
     ring, kv, row_ids, positions = _window_args(case, "ring", "kv", "row_ids", "positions")
     fused, unfused = on_device(case["staging"].clone(), case["staging"].clone())
-    triton_window.window_snapshot_append(ring, fused, kv, row_ids, positions, 128, "NHD", page, "mxfp8")
+    triton_window.window_snapshot_append(ring, fused, kv, row_ids, positions, 128, "NHD", page, "dsv41_mxfp8")
     triton_window.window_snapshot(ring, unfused, row_ids, positions, 128, "NHD", page)
-    triton_window.cache_append(unfused, kv, 128, "NHD", page, "mxfp8")
+    triton_window.cache_append(unfused, kv, 128, "NHD", page, "dsv41_mxfp8")
     assert torch.equal(fused.cpu(), want) and torch.equal(unfused.cpu(), want)
     assert torch.equal(ring.cpu(), case["ring"])  # the snapshot only reads the ring
 
@@ -202,11 +210,11 @@ def test_commit_and_window_read_match_the_reference(width, rows, dim, page):
     assert torch.equal(ring.cpu(), want)
     assert not torch.equal(want, case["ring"])  # something was committed
     tokens = 128 + width
-    assert same_floats(triton_rows.window_read(dev_staging, tokens, dim, "mxfp8"),
-                       REF.window_read(staging, tokens, dim, "mxfp8"))
+    assert same_floats(triton_rows.window_read(dev_staging, tokens, dim, "dsv41_mxfp8"),
+                       REF.window_read(staging, tokens, dim, "dsv41_mxfp8"))
 
 
-@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4", "fp32", "bf16"))
+@pytest.mark.parametrize("fmt", ("dsv41_nvfp4", "ocp_mxfp4", "fp32", "bf16"))
 def test_window_kernels_for_the_other_formats(fmt):
     dim, width, rows, page = 64, 8, 3, 16
     case = window_case(torch.Generator().manual_seed(3), rows, width, dim, page, fmt=fmt)
@@ -224,7 +232,7 @@ def test_window_kernels_for_the_other_formats(fmt):
 def test_write_rows_scatters_only_valid_rows(fmt):
     gen = torch.Generator().manual_seed(11)
     dim, rows, width = 64, 3, 8
-    row_bytes = get_format("mxfp8" if fmt == "bytes" else fmt).row_bytes(dim)
+    row_bytes = get_format("dsv41_mxfp8" if fmt == "bytes" else fmt).row_bytes(dim)
     cache = torch.randint(0, 256, (5, 32, row_bytes), dtype=torch.uint8, generator=gen)
     if fmt == "bytes":
         values = torch.randint(0, 256, (rows, width, row_bytes), dtype=torch.uint8, generator=gen)
@@ -248,7 +256,7 @@ def test_write_slots_writes_the_reference_records(fmt, dim):
     # some tokens writing nothing (-1): the kernel's bytes are the reference's, all of them.
     gen = torch.Generator().manual_seed(13 + dim)
     rows, width, per_page, pages = 3, 8, 4, 9
-    record_bytes = get_format("mxfp8" if fmt == "bytes" else fmt).row_bytes(dim)
+    record_bytes = get_format("dsv41_mxfp8" if fmt == "bytes" else fmt).row_bytes(dim)
     cache = torch.randint(0, 256, (pages, per_page * record_bytes), dtype=torch.uint8, generator=gen)
     if fmt == "bytes":
         values = torch.randint(0, 256, (rows, width, record_bytes), dtype=torch.uint8, generator=gen)

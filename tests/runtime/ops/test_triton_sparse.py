@@ -118,7 +118,7 @@ def test_exact_scores_with_many_ties_select_as_the_reference():
     # Grid-valued queries, weights and keys: every score is exact in any summation order,
     # so the choice is decided by the values and the tie rule alone, never by rounding.
     # Stored keys come in equal pairs: k = 5 splits a pair wherever the 3rd best is one.
-    case = small_sparse_case((1, [20, 33, 2], 8, "nvfp4", "mxfp4", 64), exact=True)
+    case = small_sparse_case((1, [20, 33, 2], 8, "dsv41_nvfp4", "ocp_mxfp4", 64), exact=True)
     got, want = _topk(case, 5)
     assert torch.equal(got, want)
     blocks, want = _blocks(case)

@@ -15,6 +15,7 @@ from b12x_toolchain.exporter.pipeline.export import buffer_table, pass_entry
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.ops.namespace import OPSET_VERSION
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
+from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
 from b12x_toolchain.runtime.package.reader import FORMAT_VERSION, read_manifest
 
 
@@ -26,9 +27,10 @@ def contract_manifest(recipe) -> dict:
         inputs, outputs = module.convention()
         passes[name] = pass_entry(module, getattr(recipe.passes, name).rows_buckets, inputs, outputs)
         conventions.append(inputs)
+    buffers = buffer_table(conventions)
     manifest = {"format_version": FORMAT_VERSION, "opset_version": OPSET_VERSION, "name": recipe.name,
                 "model": {"max_seq_len": d.max_seq_len, "vocab_size": d.vocab},
-                "passes": passes, "buffers": buffer_table(conventions)}
+                "passes": passes, "buffers": buffers, "cache_formats": cache_formats_entry(buffers)}
     return refingerprint(manifest)
 
 

@@ -56,7 +56,7 @@ def _expected_buffers(d: Dims) -> dict[str, dict]:
 
 def test_tiny_package_records_what_every_buffer_is(fused_pkg, tiny_recipe):
     d, m = Dims.from_recipe(tiny_recipe), fused_pkg.manifest
-    assert m["format_version"] == "3.0" and m["opset_version"] == 3
+    assert m["format_version"] == "4.0" and m["opset_version"] == 3
     assert m["buffers"] == _expected_buffers(d)
     specs = {s["name"]: s for e in m["passes"].values() for s in e["inputs"] if s["role"] in ("cache", "staging")}
     assert set(specs) == set(m["buffers"])
@@ -108,7 +108,7 @@ def test_the_fingerprint_covers_buffer_and_pass_data_but_not_buckets(tiny_recipe
 # -- versions ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1", "2.0"])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "2.0", "3.0"])
 def test_a_format_1_package_is_refused_with_the_re_export_advice(tiny_recipe, tmp_path, version):
     m = edited(contract_manifest(tiny_recipe), lambda x: x.update(format_version=version))
     with pytest.raises(PackageError, match=rf"format_version {version} is older .*re-export it with this version of "
@@ -126,11 +126,11 @@ def test_an_older_op_set_package_is_refused_with_the_re_export_advice(tiny_recip
 
 def test_a_newer_format_or_op_set_asks_for_a_newer_b12x(tiny_recipe, tmp_path):
     base = contract_manifest(tiny_recipe)
-    with pytest.raises(PackageError, match=r"format_version 4\.0 is not supported .*reads 3\.0 to 3\.0.*newer b12x"):
-        read_back(edited(base, lambda x: x.update(format_version="4.0")), tmp_path)
+    with pytest.raises(PackageError, match=r"format_version 5\.0 is not supported .*reads 4\.0 to 4\.0.*newer b12x"):
+        read_back(edited(base, lambda x: x.update(format_version="5.0")), tmp_path)
     with pytest.raises(PackageError, match=r"opset_version 4 is unknown; .*not an op set this runtime knows"):
         read_back(edited(base, lambda x: x.update(opset_version=4)), tmp_path)
-    assert read_back(base, tmp_path)["format_version"] == "3.0"  # the unedited manifest reads
+    assert read_back(base, tmp_path)["format_version"] == "4.0"  # the unedited manifest reads
 
 
 # -- malformed data -----------------------------------------------------------------------------
@@ -215,6 +215,40 @@ def test_inspect_shows_kind_layer_and_format(small_path):
     assert result.exit_code == 0, result.output
     table = result.output.split("buffers: what each cache and staging buffer holds")[1]
     line = next(x for x in table.splitlines() if "cache.layer1.compressed" in x)
-    assert line.split("│")[2:4] == [" compressed_entries    ", " L1    "] and "nvfp4 x64" in line
+    assert [cell.strip() for cell in line.split("│")[2:4]] == ["compressed_entries", "L1"] and "dsv41_nvfp4 x64" in line
     words = " ".join(result.output.split())  # captions wrap at the console's width
     assert "advances lengths;" in words and "advances accept_len; persists the staging of verify" in words
+
+
+def test_inspect_shows_whose_records_the_caches_hold(small_path):
+    result = CliRunner().invoke(main, ["inspect", str(small_path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    table = result.output.split("cache formats: whose bytes the caches hold")[1]
+    line = next(x for x in table.splitlines() if "dsv41_nvfp4" in x)
+    assert "DeepSeek V4.1 compressed record (indexed), flashinfer-python 0.7.4" in line
+    assert "records of flashinfer-python 0.7.4" in " ".join(table.split())
+
+
+def _rewritten(small_path, tmp_path, change) -> Path:
+    target = shutil.copytree(small_path, tmp_path / "copy.b12x")
+    manifest = json.loads((target / "manifest.json").read_text())
+    change(manifest)
+    refingerprint(manifest)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    return target
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: m["cache_formats"].update(dsv41_mxfp8="DeepSeek V4.1 window record (swa), flashinfer-python 0.7.3"),
+     r"cache format 'dsv41_mxfp8' holds '.*0\.7\.3'; this runtime reads and writes '.*0\.7\.4': re-export"),
+    (lambda m: m["cache_formats"].pop("dsv41_nvfp4"), r"cache_formats does not say whose bytes format 'dsv41_nvfp4'"),
+    (lambda m: m.pop("cache_formats"), r"'cache_formats' is missing"),
+    (lambda m: m["cache_formats"].update(bf16="bfloat16 bits"), r"cache_formats names \['bf16'\], which no buffer uses"),
+    (lambda m: [b.update(format="nvfp4") for b in m["buffers"].values() if b["format"] == "dsv41_nvfp4"],
+     r"'nvfp4' is not one of .*nvfp4 was renamed: use dsv41_nvfp4"),
+], ids=["other-flashinfer", "unrecorded", "missing", "unused", "old-name"])
+def test_load_refuses_caches_of_another_convention(small_path, tmp_path, change, message):
+    target = _rewritten(small_path, tmp_path, change)
+    with pytest.raises(PackageError, match=message):
+        load(target)

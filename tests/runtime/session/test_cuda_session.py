@@ -32,10 +32,10 @@ def test_dispatch_reaches_the_cuda_kernels_and_matches_the_cpu_bytes():
     case = window_case(torch.Generator().manual_seed(0), 3, 8, 512, 64)
     want = case["staging"].clone()
     torch.ops.b12x_toolchain.window_snapshot_append(case["ring"], want, case["kv"], case["row_ids"], case["positions"],
-                                          128, "NHD", 64, "mxfp8")
+                                          128, "NHD", 64, "dsv41_mxfp8")
     g = {k: v.cuda() for k, v in case.items()}
     torch.ops.b12x_toolchain.window_snapshot_append(g["ring"], g["staging"], g["kv"], g["row_ids"], g["positions"],
-                                          128, "NHD", 64, "mxfp8")
+                                          128, "NHD", 64, "dsv41_mxfp8")
     assert torch.equal(g["staging"].cpu(), want)
 
 

@@ -96,19 +96,19 @@ def test_commit_leaves_caches_like_prefill(consistency):
         # beside a block maximum of at least 4 * 2^e), ~1e-5 relative for fp32 state.
         scale = torch.maximum(da.abs(), db.abs())
         row_max = scale.amax(-1, keepdim=True)
-        bound = {"mxfp8": 0.125 * scale + 1e-6, "nvfp4": row_max / 3 + 1e-6, "mxfp4": row_max / 2 + 1e-6,
+        bound = {"dsv41_mxfp8": 0.125 * scale + 1e-6, "dsv41_nvfp4": row_max / 3 + 1e-6, "ocp_mxfp4": row_max / 2 + 1e-6,
                  "fp32": 1e-4 * row_max + 1e-6}[fmt]
         assert ((da - db).abs() <= bound).all(), name
 
 
 def _format_of(name):
     if name.endswith(".compressed"):
-        return "nvfp4", 64
+        return "dsv41_nvfp4", 64
     if name.endswith(".index"):
-        return "mxfp4", 32
+        return "ocp_mxfp4", 32
     if name.endswith(".state"):
         return "fp32", 128
-    return "mxfp8", 64
+    return "dsv41_mxfp8", 64
 
 
 def test_verify_logits_match_prefill_logits(consistency, fused_pkg):
