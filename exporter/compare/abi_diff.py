@@ -6,7 +6,8 @@ renamed (gone under one name, present under another with the same role, dtype an
 shape, at the same place), reordered, or with another role, dtype or symbolic shape.
 Since format 2 the manifest also records what each buffer is (kind, layer, format, dims,
 ratio...) and what each pass does (width, advancing input, staging source, row input
-kinds); those are in the fingerprint, and a change to one is a line too. Only what
+kinds), and since format 4 whose bytes each cache format holds (cache_formats); those are
+in the fingerprint, and a change to one is a line too. Only what
 binding depends on is compared — not graphs, rewrites or weights' values — so fused and
 unfused packages of one recipe have no differences.
 """
@@ -71,6 +72,9 @@ def diff_buffers(where: str, a: list[dict], b: list[dict]) -> list[str]:
 def diff_data(a: dict, b: dict) -> list[str]:
     """Changes to the buffer table and pass data of buffers and passes present in both."""
     lines = []
+    formats_a, formats_b = a.get("cache_formats") or {}, b.get("cache_formats") or {}
+    lines += [f"cache format {name}: {formats_a.get(name)!r} -> {formats_b.get(name)!r}"
+              for name in sorted(set(formats_a) | set(formats_b)) if formats_a.get(name) != formats_b.get(name)]
     buffers_a, buffers_b = a.get("buffers") or {}, b.get("buffers") or {}
     for name in sorted(set(buffers_a) & set(buffers_b)):
         old, new = buffers_a[name], buffers_b[name]

@@ -158,7 +158,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         "passes": passes,
         "buffers": buffers,
         "cache_formats": cache_formats_entry(buffers),
-        "abi_fingerprint": fingerprint(contract(passes, buffers)),
+        "abi_fingerprint": fingerprint(contract(passes, buffers, cache_formats_entry(buffers))),
         "rewrites": {"pipeline": pipeline, "results": results},
         "weights": weights_entry,
         "versions": tool_versions(),

@@ -80,9 +80,10 @@ class BufferSpec:
 PASS_CONTRACT = ("inputs", "outputs", "width", "advances", "reads_staging_of", "row_inputs")
 
 
-def contract(passes: dict, buffers) -> dict:
-    """The fingerprinted part of a manifest, from its `passes` and `buffers` entries."""
-    return {"buffers": buffers,
+def contract(passes: dict, buffers, cache_formats=None) -> dict:
+    """The fingerprinted part of a manifest, from its `passes`, `buffers` and `cache_formats`
+    entries: whose bytes the caches hold binds an engine as much as their shapes do."""
+    return {"buffers": buffers, "cache_formats": cache_formats,
             "passes": {n: {k: e.get(k) for k in PASS_CONTRACT} if isinstance(e, dict) else e for n, e in passes.items()}}
 
 

@@ -224,7 +224,8 @@ def _check_fingerprint(manifest: dict) -> dict:
     passes_json = manifest.get("passes")
     if not isinstance(passes_json, dict) or not passes_json:
         raise PackageError("manifest.json: 'passes' is missing or empty")
-    if fingerprint(contract(passes_json, manifest.get("buffers"))) != manifest.get("abi_fingerprint"):
+    if fingerprint(contract(passes_json, manifest.get("buffers"), manifest.get("cache_formats"))) \
+            != manifest.get("abi_fingerprint"):
         raise PackageError("manifest.json: abi_fingerprint does not match the calling conventions")
     return passes_json
 

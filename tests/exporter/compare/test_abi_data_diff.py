@@ -16,6 +16,11 @@ def test_buffer_and_pass_data_changes_are_reported(tiny_recipe):
                  ["pass commit: reads_staging_of verify -> None"]),
         "row input": (lambda m: m["passes"]["verify"]["row_inputs"].update(positions="slot_ids"),
                       ["verify input positions: kind positions -> slot_ids"]),
+        # Another FlashInfer release's records: same names and shapes, other bytes.
+        "cache format": (lambda m: m["cache_formats"].update(dsv41_nvfp4="DeepSeek V4.1 compressed record (indexed), "
+                                                                          "flashinfer-python 0.8.0"),
+                         ["cache format dsv41_nvfp4: 'DeepSeek V4.1 compressed record (indexed), flashinfer-python "
+                          "0.7.4' -> 'DeepSeek V4.1 compressed record (indexed), flashinfer-python 0.8.0'"]),
     }
     for label, (edit, lines) in changes.items():
         other = edited(base, edit)

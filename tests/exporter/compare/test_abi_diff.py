@@ -25,7 +25,7 @@ def _crafted(manifest: dict, edit) -> dict:
     # Buffers no pass binds any more leave the buffer table with it (a reader refuses strays).
     bound = {s["name"] for p in out["passes"].values() for s in p["inputs"]}
     out["buffers"] = {name: info for name, info in out["buffers"].items() if name in bound}
-    out["abi_fingerprint"] = fingerprint(contract(out["passes"], out["buffers"]))
+    out["abi_fingerprint"] = fingerprint(contract(out["passes"], out["buffers"], out.get("cache_formats")))
     return out
 
 

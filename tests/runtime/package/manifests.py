@@ -36,7 +36,8 @@ def contract_manifest(recipe) -> dict:
 
 def refingerprint(manifest: dict) -> dict:
     """Sign the calling conventions again, as a tamperer or a buggy exporter would."""
-    manifest["abi_fingerprint"] = fingerprint(contract(manifest["passes"], manifest.get("buffers")))
+    manifest["abi_fingerprint"] = fingerprint(contract(manifest["passes"], manifest.get("buffers"),
+                                                       manifest.get("cache_formats")))
     return manifest
 
 

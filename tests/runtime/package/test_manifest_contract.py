@@ -102,7 +102,7 @@ def test_the_fingerprint_covers_buffer_and_pass_data_but_not_buckets(tiny_recipe
     assert moved["abi_fingerprint"] != m["abi_fingerprint"]
     assert edited(m, lambda x: x["passes"]["verify"].update(advances="tokens"))["abi_fingerprint"] != m["abi_fingerprint"]
     assert edited(m, lambda x: x["passes"]["verify"].update(rows_buckets=[1]))["abi_fingerprint"] == m["abi_fingerprint"]
-    assert m["abi_fingerprint"] == fingerprint(contract(m["passes"], m["buffers"]))
+    assert m["abi_fingerprint"] == fingerprint(contract(m["passes"], m["buffers"], m["cache_formats"]))
 
 
 # -- versions ---------------------------------------------------------------------------------
