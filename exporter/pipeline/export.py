@@ -135,6 +135,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
                                   output.inputs, output.outputs)
         all_records[name] = output.records
     buffers = buffer_table([outputs[name].inputs for name in PASSES])
+    cache_formats = cache_formats_entry(buffers)
     if structural:
         weights_entry = external_weights(d, checksums)
     else:
@@ -157,8 +158,8 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         },
         "passes": passes,
         "buffers": buffers,
-        "cache_formats": cache_formats_entry(buffers),
-        "abi_fingerprint": fingerprint(contract(passes, buffers, cache_formats_entry(buffers))),
+        "cache_formats": cache_formats,
+        "abi_fingerprint": fingerprint(contract(passes, buffers, cache_formats)),
         "rewrites": {"pipeline": pipeline, "results": results},
         "weights": weights_entry,
         "versions": tool_versions(),

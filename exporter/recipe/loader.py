@@ -24,7 +24,7 @@ from pydantic import ValidationError, model_validator
 from b12x_toolchain.exporter.recipe.schema import V4ModelSpec, V41ModelSpec
 from b12x_toolchain.exporter.recipe.field_types import (Buckets, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
                                         format_key_path)
-from b12x_toolchain.runtime.formats.codecs import RENAMED
+from b12x_toolchain.runtime.formats.codecs import renamed
 from b12x_toolchain.runtime.ops.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
 from b12x_toolchain.exporter.recipe.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 
@@ -66,8 +66,8 @@ class PagesSpec(_Spec):
 
 def _renamed_format(value):
     """A format name from before the V4.1 records gets what replaced it, at its line."""
-    if isinstance(value, str) and value in RENAMED:
-        raise ValueError(f"format {value!r} was renamed: use {RENAMED[value]}")
+    if renamed(value):
+        raise ValueError(f"format {renamed(value)}")
     return value
 
 

@@ -57,27 +57,9 @@ import torch
 __all__ = ["Format", "FORMATS", "get_format", "check_dim"]
 
 from b12x_toolchain.runtime.formats import dsv41
-from b12x_toolchain.runtime.formats.minifloat import (  # noqa: F401  (tests read a few)
-    _E2M1_EMAX,
-    _E2M1_MAX,
-    _E2M1_UP_IF_GE,
-    _E2M1_UP_IF_GT,
-    _E2M1_VALUES,
-    _E4M3_EMAX,
-    _E4M3_MAX,
-    _F32_MAX,
-    _block_amax,
-    _blocks,
-    _e4m3_bytes_to_f32,
-    _e2m1_codes,
-    _e4m3_cast,
-    _mx_decode,
-    _mx_scales,
-    _pack_e2m1,
-    _pow2_table,
-    _to_e4m3_bytes,
-    _unpack_e2m1,
-)
+from b12x_toolchain.runtime.formats.minifloat import (_E2M1_EMAX, _E4M3_EMAX, _blocks, _e4m3_bytes_to_f32,
+                                                      _mx_decode, _mx_scales, _pack_e2m1, _to_e4m3_bytes,
+                                                      _unpack_e2m1)
 
 
 def _encode_mxfp8(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -200,12 +182,19 @@ RENAMED = {
 """Format names of b12x before the V4.1 records, and what replaced each."""
 
 
+def renamed(name) -> str | None:
+    """"'NAME' was renamed: use ..." for a format name from before the V4.1 records, else None."""
+    if isinstance(name, str) and name in RENAMED:
+        return f"{name!r} was renamed: use {RENAMED[name]}"
+    return None
+
+
 def get_format(name: str) -> Format:
     try:
         return FORMATS[name]
     except (KeyError, TypeError):
-        if isinstance(name, str) and name in RENAMED:
-            raise ValueError(f"KV-cache format {name!r} was renamed: use {RENAMED[name]}") from None
+        if renamed(name):
+            raise ValueError(f"KV-cache format {renamed(name)}") from None
         raise ValueError(
             f"unknown KV-cache format {name!r}; supported: {', '.join(sorted(FORMATS))}"
         ) from None

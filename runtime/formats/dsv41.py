@@ -84,7 +84,8 @@ def _swallowed(k: int) -> int:
     return math.ceil(math.expm1(half_spacing * math.log(2)) * 2**23) - 1
 
 
-_SWALLOWED = [_swallowed(k) for k in range(_K_MIN, _K_MAX + 1)]
+# Built once: the encoders run inside custom ops on every write.
+_SWALLOWED = torch.tensor([_swallowed(k) for k in range(_K_MIN, _K_MAX + 1)], dtype=torch.int64)
 
 
 def window_exponents(amax: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ def window_exponents(amax: torch.Tensor) -> torch.Tensor:
     bits = q.view(torch.int32).to(torch.int64)
     k = (bits >> 23) - 127
     mantissa = bits & 0x7FFFFF
-    swallowed = torch.tensor(_SWALLOWED, dtype=torch.int64, device=amax.device)[k - _K_MIN]
+    swallowed = _SWALLOWED.to(amax.device)[k - _K_MIN]
     return k + (mantissa > swallowed).to(torch.int64)
 
 

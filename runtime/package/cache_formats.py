@@ -26,13 +26,14 @@ def check_cache_formats(manifest: dict) -> None:
     recorded = manifest.get("cache_formats")
     if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
         raise PackageError("manifest.json: 'cache_formats' is missing or not an object of format conventions")
-    for name in used_formats(manifest.get("buffers") or {}):  # contract.py checked they are FORMATS
+    used = used_formats(manifest.get("buffers") or {})
+    for name in used:  # contract.py checked they are FORMATS
         if name not in recorded:
             raise PackageError(f"manifest.json: cache_formats does not say whose bytes format {name!r} holds")
         if recorded[name] != FORMATS[name].convention:
             raise PackageError(f"manifest.json: cache format {name!r} holds {recorded[name]!r}; this runtime "
                                f"reads and writes {FORMATS[name].convention!r}: re-export the package with "
                                f"this version of b12x")
-    extra = sorted(set(recorded) - set(used_formats(manifest.get("buffers") or {})))
+    extra = sorted(set(recorded) - set(used))
     if extra:
         raise PackageError(f"manifest.json: cache_formats names {extra}, which no buffer uses")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from b12x_toolchain.runtime.errors import PackageError
-from b12x_toolchain.runtime.formats.codecs import FORMATS, RENAMED, get_format
+from b12x_toolchain.runtime.formats.codecs import FORMATS, get_format, renamed
 from b12x_toolchain.runtime.formats.layout import LAYOUTS
 from b12x_toolchain.runtime.package.kinds import BUFFER_ROLES, ENCODED_ROWS, KINDS, kinds_for
 
@@ -139,8 +139,8 @@ class BufferInfo:
 
     def _check_rows(self, where: str, spec, rows: str) -> None:
         if self.format not in FORMATS:
-            renamed = f" ({self.format} was renamed: use {RENAMED[self.format]})" if self.format in RENAMED else ""
-            raise ValueError(f"{where}: field 'format': {self.format!r} is not one of {sorted(FORMATS)}{renamed}")
+            hint = f" ({renamed(self.format)})" if renamed(self.format) else ""
+            raise ValueError(f"{where}: field 'format': {self.format!r} is not one of {sorted(FORMATS)}{hint}")
         fmt = get_format(self.format)
         if not (_count(self.dims) and self.dims > 0 and self.dims % fmt.block == 0):
             raise ValueError(f"{where}: field 'dims': {self.dims!r} is not a positive multiple of {self.format}'s "

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from b12x_toolchain.runtime.formats import codecs as formats
+from b12x_toolchain.runtime.formats import minifloat
 from b12x_toolchain.runtime.formats.codecs import FORMATS
 
 MX8 = FORMATS["ocp_mxfp8"]
@@ -368,7 +369,8 @@ def _nonsaturating_cast(v):
 
 def test_e4m3_results_do_not_depend_on_the_casts_saturation(monkeypatch):
     assert _nonsaturating_cast(torch.tensor([486.4, 500.0])).tolist() == [0x7F, 0x7F]
-    monkeypatch.setattr(formats, "_e4m3_cast", _nonsaturating_cast)
+    # Patched where _to_e4m3_bytes looks it up (every E4M3 encoder goes through it).
+    monkeypatch.setattr(minifloat, "_e4m3_cast", _nonsaturating_cast)
     # mxfp8: amax = 60.8 = 1.9 * 2^5 -> e = -3, byte 124 = 0x7C; v = x * 8: 60.8 -> 486.4 and
     # 57 -> 456 lie above 448 and must clamp to +-448 (0x7E / 0xFE); 56 -> 448 exactly.
     _check(
@@ -379,6 +381,9 @@ def test_e4m3_results_do_not_depend_on_the_casts_saturation(monkeypatch):
     # nvfp4: amax = 3000 -> amax / 6 = 500 must clamp to 448 = 0x7E; q = 3000 / 448 = 6.7
     # saturates -> 7; -100 / 448 = -0.22 -> 0x8.
     _check(NV4, _row([3000.0, -100.0], 16), [0x87] + [0] * 7 + [0x7E], [2688.0, -0.0])
+    # dsv41_mxfp8, one ulp above 7 (see test_window_record_follows_float32_log2...): e = -6 and
+    # 448.00003 must clamp to 448 (0x7E).
+    _check(FORMATS["dsv41_mxfp8"], _row([7.0 + 2.0**-21], 32), [0x7E] + [0] * 31 + [0x79], [7.0])
 
 
 # ---------------------------------------------------------------------------- error bounds

@@ -21,7 +21,9 @@ from b12x_toolchain.runtime.ops import triton_rows  # noqa: E402
 from b12x_toolchain.runtime.ops import triton_window
 from b12x_toolchain.runtime.formats.codecs import get_format  # noqa: E402
 from b12x_toolchain.runtime.formats import codecs as formats  # noqa: E402
-from b12x_toolchain.runtime.ops.triton_codecs import e2m1_code, e4m3_code  # noqa: E402
+from b12x_toolchain.runtime.formats import minifloat  # noqa: E402
+from b12x_toolchain.runtime.formats import dsv41  # noqa: E402
+from b12x_toolchain.runtime.ops.triton_codecs import _swallowed, e2m1_code, e4m3_code  # noqa: E402
 from benchmarks.kernel_cases import edge_rows, kv_rows, window_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,13 +116,31 @@ def test_e2m1_rounding_on_the_bits_matches_the_reference_at_every_block_exponent
     bits = torch.cat([c[0] for c in cases])
     e = torch.cat([c[1] for c in cases])
     x = bits.view(torch.float32)
-    inv = formats._pow2_table(torch.device("cpu"))[127 - e.long()]
-    want = (formats._e2m1_codes(x * inv) | (torch.signbit(x).to(torch.uint8) << 3)).to(torch.int32)
+    inv = minifloat._pow2_table(torch.device("cpu"))[127 - e.long()]
+    want = (minifloat._e2m1_codes(x * inv) | (torch.signbit(x).to(torch.uint8) << 3)).to(torch.int32)
     dev_bits, dev_e = on_device(bits, e)
     out = torch.empty_like(dev_bits)
     _e2m1_kernel[(triton.cdiv(bits.numel(), 8192),)](dev_bits, dev_e, out, bits.numel(), BLOCK=8192)
     mismatch = (out.cpu() != want).sum().item()
     assert mismatch == 0, f"{mismatch} of {bits.numel()} values round differently"
+
+
+@triton.jit
+def _swallowed_kernel(k_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    k = tl.load(k_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + offs, _swallowed(k), mask=offs < n)
+
+
+def test_the_window_scales_few_ulp_table_is_the_references_at_every_exponent():
+    # The kernel's closed form (by binade) against dsv41._swallowed, over every float32
+    # exponent the window quotient max(amax, 1e-4) / 448 can have: 1e-4 / 448 = 1.87 * 2^-23
+    # up to float32 max / 448 = 1.43 * 2^119.
+    ks = torch.arange(-23, 120, dtype=torch.int32)
+    (dev_k,) = on_device(ks)
+    out = torch.empty_like(dev_k)
+    _swallowed_kernel[(1,)](dev_k, out, ks.numel(), BLOCK=256)
+    assert out.cpu().tolist() == [dsv41._swallowed(int(k)) for k in ks]
 
 
 # ---------------------------------------------------------------- formats

@@ -246,7 +246,7 @@ def _rewritten(small_path, tmp_path, change) -> Path:
     (lambda m: m.pop("cache_formats"), r"'cache_formats' is missing"),
     (lambda m: m["cache_formats"].update(bf16="bfloat16 bits"), r"cache_formats names \['bf16'\], which no buffer uses"),
     (lambda m: [b.update(format="nvfp4") for b in m["buffers"].values() if b["format"] == "dsv41_nvfp4"],
-     r"'nvfp4' is not one of .*nvfp4 was renamed: use dsv41_nvfp4"),
+     r"'nvfp4' is not one of .*'nvfp4' was renamed: use dsv41_nvfp4"),
 ], ids=["other-flashinfer", "unrecorded", "missing", "unused", "old-name"])
 def test_load_refuses_caches_of_another_convention(small_path, tmp_path, change, message):
     target = _rewritten(small_path, tmp_path, change)
