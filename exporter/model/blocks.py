@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from b12x_toolchain.runtime.ops.opset import ops
+
 
 def rms_norm(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -83,12 +85,9 @@ def hc_mix(w, prefix, streams, iters, hc_eps, eps):
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = mix[..., 2 * n :].unflatten(-1, (n, n)) * scale[2] + base[2 * n :].view(n, n)
-    comb = comb_logits.softmax(dim=-1) + hc_eps
-    # Sinkhorn: alternate column and row normalisation towards a doubly stochastic matrix.
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    # Softmax, then Sinkhorn towards a doubly stochastic matrix: one op (runtime/ops/mhc_ops.py)
+    # where the written-out loop is about six graph nodes per round.
+    comb = ops.hc_sinkhorn(comb_logits, iters, hc_eps)
     collapsed = (pre[..., None] * streams).sum(dim=-2)
     return post, comb, collapsed
 

@@ -1,4 +1,4 @@
-"""CUDA implementations of op set v3, registered for the CUDA dispatch key.
+"""CUDA implementations of the op set, registered for the CUDA dispatch key.
 
 `ops.py` imports this module only when CUDA is available, and the registrations apply
 only to CUDA tensors: CPU tensors keep dispatching to the torch references. Which backend
@@ -19,6 +19,8 @@ Backends:
   the reference's tie rule); attention agrees to fp32 rounding (an online softmax sums
   in another order). Each reads only what the lengths make live, with static shapes and
   no host sync, so they capture like the rest.
+* Triton for `hc_sinkhorn` (`triton_mhc`): one launch for the whole Sinkhorn loop, equal
+  to the reference to float32 rounding.
 * The reference for `set_seq_len`: one `index_put_`, which captures as it is.
 
 FlashInfer is not called, on any device. The caches hold its pinned 0.7.4 release's V4.1
@@ -36,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.runtime.ops import triton_indexer, triton_rows, triton_sparse, triton_window
-from b12x_toolchain.runtime.ops.namespace import NAMESPACE
+from b12x_toolchain.runtime.ops import triton_indexer, triton_mhc, triton_rows, triton_sparse, triton_window
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION
 
 KERNELS = {
     "window_snapshot": triton_window.window_snapshot,
@@ -54,6 +56,7 @@ KERNELS = {
     "indexer_topk": triton_indexer.indexer_topk,
     "candidate_blocks": triton_indexer.candidate_blocks,
     "sparse_attention": triton_sparse.sparse_attention,
+    "hc_sinkhorn": triton_mhc.hc_sinkhorn,
 }
 REFERENCE_ON_CUDA = ("set_seq_len",)  # capturable as written; see the module docstring
 
@@ -61,9 +64,9 @@ _registered = False
 
 
 def backend_for(op_name: str, device_type: str) -> str:
-    """Which implementation serves an op of op set v3 for tensors on this device type."""
+    """Which implementation serves an op of the op set for tensors on this device type."""
     if op_name not in KERNELS and op_name not in REFERENCE_ON_CUDA:
-        raise ValueError(f"{op_name!r} is not an op of op set v3")
+        raise ValueError(f"{op_name!r} is not an op of op set v{OPSET_VERSION}")
     if device_type == "cuda" and op_name in KERNELS:
         return "triton"
     return "reference"

@@ -6,4 +6,4 @@ is versioned as a whole; a package records the version its graphs call.
 """
 
 NAMESPACE = "b12x_toolchain"
-OPSET_VERSION = 3
+OPSET_VERSION = 4

@@ -1,4 +1,4 @@
-"""Op set v3 (namespace `b12x_toolchain`): every op that reads or writes a cache.
+"""Op set v4 (namespace `b12x_toolchain`): every op that reads or writes a cache.
 
 Each op is a `torch.library` custom op whose schema declares what it mutates, with a
 plain-torch reference implementation (used on CPU, and on any device until a kernel is
@@ -176,7 +176,8 @@ def _(values, fmt):
     return torch.empty_like(values, dtype=torch.float32)
 
 
-from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers op set v3's sparse ops)
+from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers the sparse ops)
+from b12x_toolchain.runtime.ops.mhc_ops import MHC_OPS  # noqa: E402  (registers the mHC op)
 
 ops = getattr(torch.ops, NAMESPACE)
 """The registered namespace: modules that call the ops import this name, which guarantees
@@ -186,9 +187,9 @@ OPS = {
     name: getattr(ops, name).default
     for name in ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
                  "window_commit", "write_rows", "write_slots", "gather_rows", "stage_rows", "read_rows",
-                 "round_trip", "set_seq_len") + SPARSE_OPS
+                 "round_trip", "set_seq_len") + SPARSE_OPS + MHC_OPS
 }
-"""Every op of op set v3 by name; a graph using anything else in the namespace is refused."""
+"""Every op of the op set by name; a graph using anything else in the namespace is refused."""
 
 # Only where CUDA exists, and only for CUDA tensors: the CPU path never imports Triton.
 CUDA_KERNELS = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None

@@ -1,4 +1,4 @@
-"""Op set v3's context-proportional ops: the indexer's choice and sparse attention.
+"""The op set's context-proportional ops: the indexer's choice and sparse attention.
 
 A compressed layer's entries are addressed by absolute entry id `j` (the group of
 positions `j * ratio .. (j + 1) * ratio - 1`). For a pass starting at `positions[r]`,

@@ -41,6 +41,8 @@ from b12x_toolchain.runtime.strict_json import load_document
 # 3.0 pages compressed entries and index keys ([pool, page_bytes] caches, a page spec per
 # cache, block tables as pass inputs) and calls op set 3. 4.0 stores DeepSeek V4.1's records
 # (formats renamed by convention) and records each format's convention (cache_formats.py).
+# The op set is versioned on its own: op set 4 adds hc_sinkhorn (mHC's Sinkhorn as one op),
+# and packages of op set 3 are refused with the same re-export advice.
 FORMAT_VERSION = "4.0"
 MANIFEST_LIMIT = 16 << 20
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"

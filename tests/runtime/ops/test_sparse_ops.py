@@ -1,4 +1,4 @@
-"""Op set v3's indexer and sparse attention: the dense definition, at the cost of what is live.
+"""The op set's indexer and sparse attention: the dense definition, at the cost of what is live.
 
 Each op is checked against the dense computation op set v1 did inside the graph — decode
 every entry a row can hold, mask what a query may not see, take a stable top-k or a

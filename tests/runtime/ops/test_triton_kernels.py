@@ -1,4 +1,4 @@
-"""The Triton kernels of op set v3 write exactly the reference's bytes.
+"""The Triton kernels of the op set write exactly the reference's bytes.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET before they are imported); with one they run on it. Either way every

@@ -56,7 +56,7 @@ def _expected_buffers(d: Dims) -> dict[str, dict]:
 
 def test_tiny_package_records_what_every_buffer_is(fused_pkg, tiny_recipe):
     d, m = Dims.from_recipe(tiny_recipe), fused_pkg.manifest
-    assert m["format_version"] == "4.0" and m["opset_version"] == 3
+    assert m["format_version"] == "4.0" and m["opset_version"] == 4
     assert m["buffers"] == _expected_buffers(d)
     specs = {s["name"]: s for e in m["passes"].values() for s in e["inputs"] if s["role"] in ("cache", "staging")}
     assert set(specs) == set(m["buffers"])
@@ -116,10 +116,10 @@ def test_a_format_1_package_is_refused_with_the_re_export_advice(tiny_recipe, tm
         read_back(m, tmp_path)
 
 
-@pytest.mark.parametrize("old", [1, 2])
+@pytest.mark.parametrize("old", [1, 2, 3])
 def test_an_older_op_set_package_is_refused_with_the_re_export_advice(tiny_recipe, tmp_path, old):
     m = edited(contract_manifest(tiny_recipe), lambda x: x.update(opset_version=old))
-    with pytest.raises(PackageError, match=rf"opset_version {old} is unknown; this runtime has op set 3: re-export it with "
+    with pytest.raises(PackageError, match=rf"opset_version {old} is unknown; this runtime has op set 4: re-export it with "
                                            r"this version of b12x \(b12x export --recipe dsv41-tiny\)"):
         read_back(m, tmp_path)
 
@@ -128,8 +128,8 @@ def test_a_newer_format_or_op_set_asks_for_a_newer_b12x(tiny_recipe, tmp_path):
     base = contract_manifest(tiny_recipe)
     with pytest.raises(PackageError, match=r"format_version 5\.0 is not supported .*reads 4\.0 to 4\.0.*newer b12x"):
         read_back(edited(base, lambda x: x.update(format_version="5.0")), tmp_path)
-    with pytest.raises(PackageError, match=r"opset_version 4 is unknown; .*not an op set this runtime knows"):
-        read_back(edited(base, lambda x: x.update(opset_version=4)), tmp_path)
+    with pytest.raises(PackageError, match=r"opset_version 5 is unknown; .*not an op set this runtime knows"):
+        read_back(edited(base, lambda x: x.update(opset_version=5)), tmp_path)
     assert read_back(base, tmp_path)["format_version"] == "4.0"  # the unedited manifest reads
 
 

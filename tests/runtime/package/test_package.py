@@ -35,7 +35,7 @@ def test_export_twice_in_another_process_is_byte_identical(fused_path, tmp_path)
 
 def test_manifest_records_what_the_abi_says(fused_pkg, tiny_recipe):
     m = fused_pkg.manifest
-    assert m["format_version"] == "4.0" and m["opset_version"] == 3
+    assert m["format_version"] == "4.0" and m["opset_version"] == 4
     assert m["recipe_sha256"] == tiny_recipe.sha256()
     assert m["passes"]["verify"]["width"] == 8 and m["passes"]["draft"]["width"] == 7
     assert m["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8]
