@@ -18,13 +18,17 @@ so above 1 b12x is faster.
   caches), against one transformers forward over it with a fresh cache. Both produce
   logits for every prompt position.
 
+Every case runs with the uncompiled replay and again with the compiled one (`compile=` on the
+session: Inductor, compiled in the untimed first streams; session/compiled.py).
+
 Before timing, the greedy token streams are compared: b12x's plain stream against the
 reference's, and the speculative stream against the plain one. A difference is recorded
 in `params` and warned about, never raised: near ties can flip, and the recipe's
 quantised cache formats (ocp_mxfp8 window and compressed rows) move logits by more than the
 gap between the top two tokens now and then. Every case therefore runs twice: on the
 recipe as written and on the same recipe with fp32 caches, whose logits match the
-reference to float rounding.
+reference to float rounding. So four rows per case: recipe and fp32 caches, each uncompiled
+and compiled.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ PROMPT_TOKENS = 256  # four 64-token prefill chunks: far past the 32-token windo
 NEW_TOKENS = 33  # the first from prefill, then 32 decoded: four full speculative steps of 8
 SEED = 0
 FP32_CACHES = {"window_format": "fp32", "compressed_format": "fp32", "index_format": "fp32"}
+COMPILED_PASSES = ("prefill", "verify", "commit")  # what these cases replay (the oracle replaces the draft pass)
 
 
 def fp32_variant(recipe):
@@ -154,8 +159,12 @@ def agreement(label: str, what: str, ours: list[int], theirs: list[int], our_mar
 
 
 def measure(package, settings: Settings, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS,
-            label: str | None = None) -> list:
-    """Every case on one package: decode greedy, decode speculative, prefill; ratio = b12x / transformers."""
+            label: str | None = None, compiled: bool = False) -> list:
+    """Every case on one package: decode greedy, decode speculative, prefill; ratio = b12x / transformers.
+
+    `compiled`: b12x replays the passes these cases run through Inductor (session/compiled.py);
+    they compile during the untimed first streams, so no timed round includes a compilation.
+    """
     recipe = package_recipe(package)
     label = label or recipe.name
     width = package.passes["verify"].width
@@ -163,10 +172,11 @@ def measure(package, settings: Settings, prompt_tokens: int = PROMPT_TOKENS, new
         raise ValueError(f"{prompt_tokens} prompt + {new_tokens} new tokens do not fit max_seq_len")
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(0, package.vocab_size, (prompt_tokens,), generator=gen).tolist()
-    session = package.session(device="cpu", slots=1)
+    session = package.session(device="cpu", slots=1, compile=COMPILED_PASSES if compiled else False)
     reference = Reference(reference_model(package), prompt)
     formats = {k: getattr(recipe.cache, k) for k in FP32_CACHES}
-    common = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cache_formats": formats}
+    common = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cache_formats": formats,
+              "compiled_replay": compiled}
 
     # The streams, once, untimed: what each side decodes, and the oracle's truth.
     theirs, _ = reference.decode(new_tokens)
@@ -232,4 +242,5 @@ def v4_reference_benchmark(settings: Settings) -> list:
             package = load(export_package(variant, Path(tmp), weights=weights).path)
         # load() reads every file into memory, so the package outlives its directory.
         out += measure(package, settings, label=label)
+        out += measure(package, settings, label=f"{label}, compiled", compiled=True)
     return out

@@ -93,8 +93,11 @@ def _steps_table(steps: list[dict]) -> Table:
                    "with the same prompt prefix skips prefilling it.")
 @click.option("--prefix-cache-bytes", type=click.IntRange(min=0),
               help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
+@click.option("--compile", "compiled", is_flag=True,
+              help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
+                   "(tens of seconds per pass graph; cached locally, keyed by package, device and torch).")
 def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
-        cache_bytes, show_steps, threads, prefix_cache_dir, prefix_cache_bytes):
+        cache_bytes, show_steps, threads, prefix_cache_dir, prefix_cache_bytes, compiled):
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report."""
     from b12x_toolchain.runtime import PackageError, load
     from b12x_toolchain.runtime.serving.engine import Engine
@@ -126,7 +129,7 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
                           model["vocab_size"], model["max_seq_len"])
         buckets = loaded.passes["verify"].rows_buckets
         session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]), pages=pages,
-                                 cache_bytes=cache_bytes)
+                                 cache_bytes=cache_bytes, compile=compiled)
         if prefix_cache_dir is not None or prefix_cache_bytes is not None:
             budget = (1 << 30) if prefix_cache_bytes is None else prefix_cache_bytes
             cache = PrefixCache(loaded, l1_bytes=budget, l2_dir=prefix_cache_dir, l2_bytes=budget)

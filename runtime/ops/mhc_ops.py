@@ -23,8 +23,12 @@ from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 
 
 def sinkhorn_unfused(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The written-out sequence, as the reference model states it (tests compare the op with it)."""
-    comb = logits.softmax(dim=-1) + eps
+    """The written-out sequence, as the reference model states it: what the op computes.
+
+    Tests compare the op with it, and compiled replay hands it to Inductor in the op's place
+    (a loop of small elementwise steps is what Inductor fuses best; the op is opaque to it).
+    """
+    comb = logits.to(torch.float32).softmax(dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)

@@ -25,6 +25,7 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.session.page_tables import PageTables
 from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
+from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
@@ -54,7 +55,8 @@ class Bucket:
 
 class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
-                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False):
+                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
+                 compile=False, compile_cache=None):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.package, self.device = package, torch.device(device)
@@ -75,7 +77,22 @@ class Session:
             raise BufferError(f"expected one seq_len cache, the package has {lengths}")
         self.seq_len_buffer = lengths[0]
         self.graphs = GraphRunner(self.device, (self.caches, self.staging), self.scratch_slot)
+        self.compiled_passes = self._compiled_passes(compile)
+        self.compile_cache = cache_dir(package, self.device, compile_cache) if self.compiled_passes else None
         self.buckets = {name: self._prepare(info) for name, info in package.passes.items()}
+
+    def _compiled_passes(self, compile) -> tuple[str, ...]:
+        """The passes replayed through Inductor (compiled.py): none, all (True) or those named."""
+        if compile is False or compile is None:
+            return ()
+        if compile is True:
+            return tuple(self.package.passes)
+        names = (compile,) if isinstance(compile, str) else tuple(compile)
+        unknown = [n for n in names if n not in self.package.passes]
+        if unknown or not names:
+            raise ValueError(f"compile={compile!r}: expected True, False or pass names among "
+                             f"{sorted(self.package.passes)}")
+        return names
 
     # -- binding ------------------------------------------------------------------------
 
@@ -159,7 +176,9 @@ class Session:
                 raise BufferError(f"pass {info.name}: bound buffers do not match the graph's inputs")
             padding = {name: -1 if name in info.block_tables.values() else 0 for name in inputs}
             padding[info.input_of("slot_ids")] = self.scratch_slot
-            buckets[rows] = Bucket(rows, inputs, outputs, staging, graph, args, info.program.call_spec.out_spec,
+            # Compiled per bucket: its shapes are static, and its arguments are these tensors.
+            runs = CompiledGraph(graph, self.compile_cache) if info.name in self.compiled_passes else graph
+            buckets[rows] = Bucket(rows, inputs, outputs, staging, runs, args, info.program.call_spec.out_spec,
                                    padding)
             self.graphs.add(info.name, buckets[rows])
         if not buckets:

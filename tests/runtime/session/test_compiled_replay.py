@@ -1,0 +1,74 @@
+"""Compiled replay (Inductor) gives the uncompiled replay's results: logits to fp32 rounding, commit to the byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.session.compiled import CompiledGraph
+from conftest import random_tokens
+
+pytestmark = pytest.mark.slow(minutes=1.5)
+
+COMPILED = ("verify", "commit")  # one pass that computes, one that moves bytes (each compile costs tens of seconds)
+
+
+@pytest.fixture(scope="module")
+def sessions(small_path, tmp_path_factory):
+    package = load(small_path)
+    cache = tmp_path_factory.mktemp("compile-cache")
+    plain = package.session(slots=1, max_rows=1)
+    compiled = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache)
+    return package, plain, compiled, cache
+
+
+def _copy_state(source, target):
+    for name in source.caches:
+        target.caches[name].copy_(source.caches[name])
+    for name in source.staging:
+        target.staging[name].copy_(source.staging[name])
+    target.seq_lens[:] = source.seq_lens
+
+
+def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
+    package, plain, compiled, cache = sessions
+    gen = torch.Generator().manual_seed(3)
+    prompt, block = random_tokens(gen, package.passes["prefill"].width), random_tokens(gen, 8)
+    plain.replay("prefill", tokens=[prompt], row_ids=[0], positions=[0], lengths=[len(prompt)])
+
+    # From the same caches (the plain session's), verify agrees to fp32 rounding ...
+    _copy_state(plain, compiled)
+    step = {"tokens": [block], "row_ids": [0], "positions": [len(prompt)]}
+    want = plain.replay("verify", **step)["logits"].clone()
+    compiled.replay("verify", **step)  # compiles; verify writes only staging, so it can run again
+    with torch.profiler.profile() as profile:
+        got = compiled.replay("verify", **step)["logits"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    called = {e.key for e in profile.key_averages()}
+    # The cache ops run as themselves; Inductor took hc_sinkhorn as the loop it fuses.
+    assert "b12x_toolchain::sparse_attention" in called and "b12x_toolchain::hc_sinkhorn" not in called
+
+    # ... and commit, which only moves bytes, writes exactly the same caches.
+    _copy_state(plain, compiled)
+    accept = {"row_ids": [0], "positions": [len(prompt)], "accept_len": [5]}
+    assert compiled.replay("commit", **accept)["next_positions"].tolist() == plain.replay("commit", **accept)[
+        "next_positions"].tolist()
+    for name in plain.caches:
+        assert torch.equal(compiled.caches[name], plain.caches[name]), name
+
+    ran = [b.graph for p in COMPILED for b in compiled.buckets[p].values()]
+    assert all(isinstance(g, CompiledGraph) and g.compiled for g in ran)  # the compiled code really ran
+    assert not any(isinstance(b.graph, CompiledGraph) for p in ("prefill", "draft") for b in compiled.buckets[p].values())
+    # Inductor's artifacts are under the session's own directory: package digest, device, torch.
+    digest = package.manifest["manifest_sha256"][:32]
+    assert compiled.compile_cache.parent == cache / digest
+    assert compiled.compile_cache.name == f"cpu-torch{torch.__version__.replace('+', '_')}"
+    assert any(compiled.compile_cache.rglob("*")), "nothing was cached"
+
+
+def test_compile_names_the_passes_it_takes(small_path):
+    package = load(small_path)
+    with pytest.raises(ValueError, match=r"compile=\('verify', 'decode'\): expected True, False or pass names among "
+                                         r"\['commit', 'draft', 'prefill', 'verify'\]"):
+        package.session(compile=("verify", "decode"))
