@@ -97,8 +97,7 @@ def _layers_variant(recipe, layers: int):
     model["num_layers"] = layers
     model["compress_ratios"] = [0, 2] * (layers // 2) + [0] * model["draft"]["stages"]
     model["draft"]["target_layer_ids"] = [layers - 1]
-    data["rewrites"][0]["expect_matches"] = {"prefill": 0, "verify": layers, "draft": model["draft"]["stages"],
-                                            "commit": 0}
+    data["rewrites"][0]["expect_matches"].update(verify=layers, draft=model["draft"]["stages"])
     data["name"] = f"scaling-{layers}"
     return parse_recipe(yaml.safe_dump(data), file=f"scaling-{layers}.yaml")
 

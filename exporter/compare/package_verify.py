@@ -175,14 +175,17 @@ def verify_packages(a, b, seed: int = 0, trials: int = 1, tolerance: Tolerance |
 
 
 def pass_order(passes: dict) -> list[str]:
-    """Passes that write persistent caches from their own inputs (prefill) first, so the others
-    read caches that hold something; then passes whose staging another persists (verify), the
-    other staging passes (draft), and last those that persist staging (commit)."""
+    """Passes that write persistent caches from their own inputs first, the widest first
+    (prefill, then decode), so the others read caches that hold something; then passes whose
+    staging another persists (verify), the other staging passes (draft), and last those that
+    persist staging (commit)."""
     sources = {info.reads_staging_of for info in passes.values()}
 
     def rank(name):
         info = passes[name]
         if info.reads_staging_of is not None:
-            return 3, name
-        return (0 if info.advances else 1 if name in sources else 2), name
+            return 3, 0, name
+        if info.advances:
+            return 0, -info.width, name
+        return (1 if name in sources else 2), 0, name
     return sorted(passes, key=rank)

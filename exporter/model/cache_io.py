@@ -54,12 +54,12 @@ class StagedIO:
 
 
 class DirectIO:
-    """Prefill: read history from the persistent caches, then write the valid rows there."""
+    """Prefill and decode: read history from the persistent caches, then write the valid rows there."""
 
-    def __init__(self, d: Dims, caches: dict, row_ids, positions, lengths, block_tables):
+    def __init__(self, d: Dims, caches: dict, row_ids, positions, lengths, block_tables, width: int):
         self.d, self.caches, self.block_tables = d, caches, block_tables
         self.row_ids, self.positions = row_ids, positions
-        self.offsets = torch.arange(d.prefill_chunk, device=positions.device)
+        self.offsets = torch.arange(width, device=positions.device)
         self.pos = positions.long()[:, None] + self.offsets
         self.valid = self.offsets[None, :] < lengths.long()[:, None]
         self.end = positions.long() + lengths.long()

@@ -77,18 +77,28 @@ class PrefillPass(DeepSeekPass):
         return self.d.prefill_chunk
 
     def convention(self):
-        d = self.d
-        inputs = (self.weights() + self.caches() + [buffers.row_input("tokens", "token_ids", d.prefill_chunk)]
+        width = self.width()
+        inputs = (self.weights() + self.caches() + [buffers.row_input("tokens", "token_ids", width)]
                   + self.base_inputs(self.caches()) + [buffers.row_input("lengths", "new_tokens")])
-        return inputs, [_logits(d, d.prefill_chunk)]
+        return inputs, [_logits(self.d, width)]
 
     def forward(self, weights, caches, staging, inputs):
         row_ids, positions, lengths, tokens = inputs["row_ids"], inputs["positions"], inputs["lengths"], inputs["tokens"]
-        io = DirectIO(self.d, caches, row_ids, positions, lengths, _block_tables(inputs))
+        io = DirectIO(self.d, caches, row_ids, positions, lengths, _block_tables(inputs), self.width())
         logits, streams, taps = self.target(weights, io, caches, tokens, io.pos, row_ids)
         self.drafter.context(weights, io, caches, row_ids, tokens, io.pos, streams, taps)
         ops.set_seq_len(caches["cache.seq_len"], row_ids, positions + lengths)
         return {"logits": logits}
+
+
+class DecodePass(PrefillPass):
+    """Prefill one token wide: decoding without a drafter writes its token's rows directly,
+    instead of verifying a block of noise and committing one row of it."""
+
+    name = "decode"
+
+    def width(self) -> int:
+        return 1
 
 
 class VerifyPass(DeepSeekPass):
@@ -177,5 +187,5 @@ def _logits(d, width):
     return BufferSpec("logits", "output", "float32", ("rows", width, d.vocab))
 
 
-PASSES = {cls.name: cls for cls in (PrefillPass, VerifyPass, DraftPass, CommitPass)}
+PASSES = {cls.name: cls for cls in (PrefillPass, DecodePass, VerifyPass, DraftPass, CommitPass)}
 PassModule = DeepSeekPass

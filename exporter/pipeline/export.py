@@ -124,17 +124,17 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         if on_pass is not None:
             on_pass(output.name, output.records)
 
-    work = [PassJob(recipe, name, pipeline, None if structural else weights, dump_dir) for name in PASSES]
+    work = [PassJob(recipe, name, pipeline, None if structural else weights, dump_dir) for name in recipe.pass_names]
     outputs = run_jobs(work, jobs, on_start=on_capture, on_done=done)
     files, results, passes, all_records = {}, {}, {}, {}
-    for name in PASSES:  # in pass order, whatever order the jobs finished in
+    for name in recipe.pass_names:  # in pass order, whatever order the jobs finished in
         output = outputs[name]
         files[f"graphs/{name}.pt2"] = output.graph
         results[name] = {r.name: r.to_json() for r in output.records}
         passes[name] = pass_entry(PASSES[name](d), getattr(recipe.passes, name).rows_buckets,
                                   output.inputs, output.outputs)
         all_records[name] = output.records
-    buffers = buffer_table([outputs[name].inputs for name in PASSES])
+    buffers = buffer_table([outputs[name].inputs for name in recipe.pass_names])
     cache_formats = cache_formats_entry(buffers)
     if structural:
         weights_entry = external_weights(d, checksums)

@@ -16,7 +16,7 @@ import json
 import os
 from importlib.resources import files
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic import ValidationError, model_validator
@@ -34,9 +34,10 @@ __all__ = [
 ]
 
 KNOWN_REWRITES = ("fuse_window_snapshot",)
-PASS_NAMES = ("prefill", "verify", "draft", "commit")
+PASS_NAMES = ("prefill", "verify", "draft", "commit")  # every recipe has these
+OPTIONAL_PASSES = ("decode",)  # and may add these
 FAMILIES = ("deepseek_v41", "deepseek_v4")
-PassName = Literal["prefill", "verify", "draft", "commit"]
+PassName = Literal["prefill", "decode", "verify", "draft", "commit"]
 
 
 class RecipeError(ValueError):
@@ -101,11 +102,19 @@ class CommitPass(_Spec):
     rows_buckets: Buckets
 
 
+class DecodePass(_Spec):
+    """One token per row, written straight into the caches: greedy or sampled decoding
+    without a drafter, which would otherwise pay for a whole verify block and a commit."""
+
+    rows_buckets: Buckets
+
+
 class Passes(_Spec):
     prefill: PrefillPass
     verify: WidthPass
     draft: WidthPass
     commit: CommitPass
+    decode: Optional[DecodePass] = None
 
     @model_validator(mode="after")
     def _widths(self) -> Passes:
@@ -126,7 +135,8 @@ def _known_rewrite(name: str) -> str:
 def _all_passes(counts: dict[str, int]) -> dict[str, int]:
     missing = [p for p in PASS_NAMES if p not in counts]
     if missing:
-        raise _problem(f"missing {', '.join(missing)}; expected exactly the keys {', '.join(PASS_NAMES)}")
+        raise _problem(f"missing {', '.join(missing)}; expected a key for every pass of the recipe "
+                       f"({', '.join(PASS_NAMES)}, and {' or '.join(OPTIONAL_PASSES)} where it has one)")
     return counts
 
 
@@ -146,7 +156,8 @@ class Recipe(_Spec):
 
     @property
     def pass_names(self) -> tuple[str, ...]:
-        return PASS_NAMES
+        """The passes this recipe exports, in export order: the four, then the optional ones it declares."""
+        return PASS_NAMES + tuple(p for p in OPTIONAL_PASSES if getattr(self.passes, p) is not None)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
@@ -162,6 +173,12 @@ class Recipe(_Spec):
         for i, rewrite in enumerate(self.rewrites):
             if any(r.name == rewrite.name for r in self.rewrites[:i]):
                 raise _problem(f"rewrite {rewrite.name!r} is listed twice", ("rewrites", i, "name"))
+            keys = set(rewrite.expect_matches)
+            if keys != set(self.pass_names):
+                wrong = sorted(keys - set(self.pass_names)) or sorted(set(self.pass_names) - keys)
+                what = "is not a pass of this recipe" if keys - set(self.pass_names) else "is missing"
+                raise _problem(f"{wrong[0]} {what}; expected exactly the keys {', '.join(self.pass_names)}",
+                               ("rewrites", i, "expect_matches"))
             if rewrite.name == "fuse_window_snapshot":
                 self._check_window_fusion(i, rewrite)
         return self
@@ -194,15 +211,23 @@ class Recipe(_Spec):
         # Sites: one snapshot per target layer in verify, per draft stage in draft, none elsewhere.
         # MTP drafts one token at a time and reads its window without appending a block.
         draft_sites = 0 if self.model.family == "deepseek_v4" else self.model.draft.stages
-        sites = {"prefill": 0, "verify": self.model.num_layers, "draft": draft_sites, "commit": 0}
+        sites = {"prefill": 0, "decode": 0, "verify": self.model.num_layers, "draft": draft_sites, "commit": 0}
         for pass_name, expected in rewrite.expect_matches.items():
             if expected > sites[pass_name]:
                 raise _problem(f"{expected} matches are impossible: the {pass_name} graph has {sites[pass_name]} "
                                f"window snapshot sites", ("rewrites", index, "expect_matches", pass_name))
 
     def normalized(self) -> dict[str, Any]:
-        """All fields, defaults filled, as plain JSON data with keys sorted recursively."""
-        return _sort_keys(self.model_dump(mode="json"))
+        """All fields, defaults filled, as plain JSON data with keys sorted recursively.
+
+        An optional pass the recipe does not declare is left out rather than written as
+        null, so a recipe without one keeps the digest it had before such passes existed.
+        """
+        data = self.model_dump(mode="json")
+        for name in OPTIONAL_PASSES:
+            if data["passes"].get(name) is None:
+                data["passes"].pop(name, None)
+        return _sort_keys(data)
 
     def sha256(self) -> str:
         text = json.dumps(self.normalized(), sort_keys=True, separators=(",", ":"))

@@ -67,6 +67,11 @@ class Engine:
         # A group must fit one bucket of every pass it replays.
         self.decode_rows = min(max(session.buckets[p]) for p in DECODE_PASSES)
         self.prefill_rows = max(session.buckets["prefill"])
+        # Without speculation, one token per row per step: through the decode pass where the
+        # package has one (nothing but that token's rows), else verify + commit of one row.
+        self.single = "decode" if not speculative and "decode" in session.buckets else None
+        if self.single:
+            self.decode_rows = max(session.buckets["decode"])
         self.slots = check_slots(session, slots)
         self.free = deque(self.slots)
         self.waiting: deque[RequestState] = deque()
@@ -169,7 +174,7 @@ class Engine:
             body = [r for r in self.active if r.length + self.verify_width <= self.max_seq_len]
             for group in _groups(body, self.decode_rows):
                 self.decode_group(group, stats)
-            for group in _groups(tail, self.prefill_rows):
+            for group in _groups(tail, self.decode_rows if self.single else self.prefill_rows):
                 self._decode_one(group, stats)
             stats.decode_seconds = time.perf_counter() - start
             for request in [r for r in self.active if r.done]:
@@ -301,7 +306,9 @@ class Engine:
         return drafts
 
     def decode_group(self, rows: list[RequestState], stats: StepStats) -> None:
-        """draft -> verify -> accept -> commit for one group of rows."""
+        """draft -> verify -> accept -> commit for one group of rows (one decode replay without speculation)."""
+        if self.single:
+            return self._decode_one(rows, stats)
         slots, positions = [r.slot for r in rows], [r.length for r in rows]
         check_rows(slots, self.slots)
         drafts, q = self._drafts(rows, stats)
@@ -330,10 +337,12 @@ class Engine:
             self._finish_step(request, emitted, margins, stats)
 
     def _decode_one(self, rows: list[RequestState], stats: StepStats) -> None:
-        """One token per row through prefill, which writes the pending token's rows directly."""
+        """One token per row through decode (or prefill), which writes the pending token's rows directly."""
         slots = [r.slot for r in rows]
         check_rows(slots, self.slots)
-        out = self._replay("prefill", stats, tokens=[[r.pending] + [0] * (self.chunk - 1) for r in rows],
+        name = self.single or "prefill"
+        width = self.session.package.passes[name].width
+        out = self._replay(name, stats, tokens=[[r.pending] + [0] * (width - 1) for r in rows],
                            row_ids=slots, positions=[r.length for r in rows], lengths=[1] * len(rows))
         for i, request in enumerate(rows):
             token = pick(out["logits"][i, 0], self.temperature, request.generator)

@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not
 
 TIMED = {"replay.fused_vs_unfused", "replay.ours_vs_eager"}
 TIMED_CASES = {"verify rows=1", "verify rows=3 (bucket 4)", "draft rows=1", "draft rows=3 (bucket 4)"}
-NODE_CASES = {"prefill", "verify", "draft", "commit"}
+NODE_CASES = {"prefill", "verify", "draft", "commit", "decode"}
 
 
 def run_runner(*args: str) -> subprocess.CompletedProcess:
@@ -109,7 +109,7 @@ def test_reexport_benchmarks_are_registered(tmp_path):
 SMALL_V4 = {
     "model.num_layers": 2,
     "model.compress_ratios": [4, 16, 0],
-    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0},
+    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0, "decode": 0},
 }
 
 

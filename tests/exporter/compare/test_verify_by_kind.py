@@ -21,16 +21,17 @@ from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.package.reader import Package
 
-NAMES = {"prefill": "ingest", "verify": "check", "draft": "guess", "commit": "persist"}
+NAMES = {"prefill": "ingest", "verify": "check", "draft": "guess", "commit": "persist", "decode": "step"}
 
 
-def _info(advances=None, reads_staging_of=None):
-    return SimpleNamespace(advances=advances, reads_staging_of=reads_staging_of)
+def _info(advances=None, reads_staging_of=None, width=8):
+    return SimpleNamespace(advances=advances, reads_staging_of=reads_staging_of, width=width)
 
 
 def test_pass_order_comes_from_the_data():
-    passes = {"persist": _info("accept_len", "check"), "guess": _info(), "check": _info(), "ingest": _info("lengths")}
-    assert pass_order(passes) == ["ingest", "check", "guess", "persist"]
+    passes = {"persist": _info("accept_len", "check"), "guess": _info(), "check": _info(), "ingest": _info("lengths", width=64),
+              "step": _info("lengths", width=1)}
+    assert pass_order(passes) == ["ingest", "step", "check", "guess", "persist"]
 
 
 @pytest.mark.parametrize("kind", ["index_keys", "compressor_state", "draft_window"])
@@ -55,5 +56,5 @@ def renamed(small_path):
 
 def test_verify_drives_renamed_passes(renamed):
     checks = verify_packages(renamed, renamed, seed=1)
-    assert [c.pass_name for c in checks][::4] == ["ingest", "check", "guess", "persist"]
+    assert [c.pass_name for c in checks][::4] == ["ingest", "step", "check", "guess", "persist"]
     assert all(c.replays == 1 for c in checks) and [d for c in checks for d in c.differences] == []

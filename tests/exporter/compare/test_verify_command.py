@@ -45,7 +45,7 @@ def test_fused_and_unfused_replay_identically(fused_pkg, unfused_pkg):
     checks = verify_packages(fused_pkg, unfused_pkg, seed=3)
     # Every pass and rows bucket of the tiny recipe: 1, 2, 4 and 8 rows for each pass.
     assert [(c.pass_name, c.rows) for c in checks] == [
-        (p, r) for p in ("prefill", "verify", "draft", "commit") for r in (1, 2, 4, 8)]
+        (p, r) for p in ("prefill", "decode", "verify", "draft", "commit") for r in (1, 2, 4, 8)]
     assert all(c.replays == 1 and c.buffers > 0 for c in checks)
     assert [d for c in checks for d in c.differences] == []
 
@@ -66,7 +66,7 @@ def test_tolerance_accepts_what_bytes_refuse(fused_pkg, perturbed_pkg):
     # (Byte for byte they differ: the test above.) Values within the tolerance pass.
     loose = verify_packages(fused_pkg, perturbed_pkg, tolerance=Tolerance(atol=1e6))
     assert [d for c in loose for d in c.differences] == []
-    assert sum(c.replays for c in loose) == 16  # 4 passes x 4 rows buckets, one trial each
+    assert sum(c.replays for c in loose) == 20  # 5 passes x 4 rows buckets, one trial each
 
 
 def test_packages_with_different_abis_are_refused(fused_pkg):

@@ -97,7 +97,7 @@ def test_from_hf_sets_the_window_fusion_sites_from_the_layer_count(config, tiny)
     recipe = parse_recipe(yaml.safe_dump(recipe_from_hf_config(six, tiny, "six", max_seq_len=2048)))
     assert recipe.model.compress_ratios == (0, 4, 16, 4, 0, 4, 0)
     assert recipe.model.max_seq_len == 2048
-    assert recipe.rewrites[0].expect_matches == {"prefill": 0, "verify": 6, "draft": 0, "commit": 0}
+    assert recipe.rewrites[0].expect_matches == {"prefill": 0, "verify": 6, "draft": 0, "commit": 0, "decode": 0}
 
 
 def test_legacy_spellings_map_like_the_modern_ones(config):

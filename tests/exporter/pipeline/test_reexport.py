@@ -87,10 +87,10 @@ def test_check_of_a_manifest_names_what_a_recipe_change_moves(small_structural, 
     result = CliRunner().invoke(main, ["export", "--check", str(committed), "--recipe", str(recipe)])
     assert result.exit_code == 1
     differing = [line.removeprefix("differs: ") for line in result.output.splitlines() if line.startswith("differs: ")]
-    # RoPE runs in prefill, verify and draft; commit only copies bytes.
-    assert differing == ["graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2",
+    # RoPE runs in prefill, decode, verify and draft; commit only copies bytes.
+    assert differing == ["graphs/decode.pt2", "graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2",
                          "manifest.json (recipe, recipe_sha256)"]
-    assert "is not byte-identical: 4 file(s) differ" in result.output
+    assert "is not byte-identical: 5 file(s) differ" in result.output
 
 
 def test_check_refuses_settings_that_contradict_the_package(small_structural):

@@ -46,7 +46,7 @@ def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
 
 
 def test_recipe_refuses_impossible_match_counts(small_recipe):
-    counts = {"prefill": 0, "verify": 3, "draft": 1, "commit": 0}
+    counts = {"prefill": 0, "verify": 3, "draft": 1, "commit": 0, "decode": 0}
     with pytest.raises(RecipeError, match=r"rewrites\[0\]\.expect_matches\.verify: 3 matches are impossible"):
         recipe_variant(small_recipe, {"rewrites.0.expect_matches": counts})
 
@@ -61,7 +61,7 @@ def test_unfused_export_accepts_what_the_fused_op_does_not(small_recipe, tmp_pat
 
 
 def test_wrong_match_count_fails_export_and_leaves_nothing(small_recipe, tmp_path):
-    recipe = recipe_variant(small_recipe, {"rewrites.0.expect_matches": {"prefill": 0, "verify": 1, "draft": 1, "commit": 0}})
+    recipe = recipe_variant(small_recipe, {"rewrites.0.expect_matches": {"prefill": 0, "verify": 1, "draft": 1, "commit": 0, "decode": 0}})
     with pytest.raises(ExportError, match="found 2 matches in the verify graph; the recipe expects 1"):
         export_package(recipe, tmp_path)
     assert _no_leftovers(tmp_path) == []

@@ -79,9 +79,10 @@ def test_tiny_recipe_values():
     assert r.cache.history == 128 and r.cache.staging.page_size == 16
     assert r.passes.verify.width == 8 and r.passes.draft.width == 7
     assert r.passes.prefill.chunk == 64 and r.passes.prefill.rows_buckets == (1, 2, 4, 8)
-    assert r.pass_names == PASS_NAMES == ("prefill", "verify", "draft", "commit")
+    assert PASS_NAMES == ("prefill", "verify", "draft", "commit")
+    assert r.pass_names == PASS_NAMES + ("decode",) and r.passes.decode.rows_buckets == (1, 2, 4, 8)
     assert [w.name for w in r.rewrites] == ["fuse_window_snapshot"]
-    assert r.rewrites[0].expect_matches == {"prefill": 0, "verify": 6, "draft": 2, "commit": 0}
+    assert r.rewrites[0].expect_matches == {"prefill": 0, "verify": 6, "draft": 2, "commit": 0, "decode": 0}
 
 
 def test_full_recipe_values():
@@ -177,10 +178,15 @@ ERROR_CASES = [
      "passes.prefill.chunk", "larger than cache.history = 128"),
     ("unknown rewrite", "- name: fuse_window_snapshot", "- name: fuse_all", "name: fuse_all",
      "rewrites[0].name", "unknown rewrite 'fuse_all'; known rewrites: fuse_window_snapshot"),
-    ("expect key", "commit: 0}", "comit: 0}", "comit: 0}",
-     "rewrites[0].expect_matches.comit", "'prefill', 'verify', 'draft' or 'commit'"),
-    ("expect missing", ", commit: 0}", "}", "expect_matches:",
+    ("expect key", "commit: 0,", "comit: 0,", "comit: 0,",
+     "rewrites[0].expect_matches.comit", "'prefill', 'decode', 'verify', 'draft' or 'commit'"),
+    ("expect missing", ", commit: 0, decode: 0}", ", decode: 0}", "expect_matches:",
      "rewrites[0].expect_matches", "missing commit"),
+    ("expect missing optional", ", decode: 0}", "}", "expect_matches:",
+     "rewrites[0].expect_matches", "decode is missing; expected exactly the keys prefill, verify, draft, commit, decode"),
+    ("expect absent pass", "  decode: {rows_buckets: [1, 2, 4, 8]}\n", "", "expect_matches:",
+     "rewrites[0].expect_matches", "decode is not a pass of this recipe; expected exactly the keys prefill, verify, "
+     "draft, commit"),
     ("target layer range", "[3, 4, 5]", "[3, 4, 6]", "target_layer_ids:",
      "model.draft.target_layer_ids[2]", "layer 6 is out of range"),
     ("head_dim", "head_dim: 64", "head_dim: 48", "head_dim: 48",

@@ -43,8 +43,8 @@ def test_graph_prints_one_node_per_line_with_ops_and_shapes(fused_path, fused_pk
 
 
 def test_unknown_pass_and_dot_without_graph_are_refused(fused_path):
-    result = _inspect(fused_path, "--graph", "decode")
-    assert result.exit_code == 1 and "no pass 'decode'; this package has commit, draft, prefill, verify" in result.output
+    result = _inspect(fused_path, "--graph", "sample")
+    assert result.exit_code == 1 and "no pass 'sample'; this package has commit, decode, draft, prefill, verify" in result.output
     assert "--dot needs --graph PASS" in _inspect(fused_path, "--dot", "-").output
 
 
@@ -84,8 +84,8 @@ def test_onnx_views_pass_the_checker(fused_path, fused_pkg, tmp_path):
 
 def test_dump_passes_numbers_every_rewrite(structural_path):
     dump = structural_path.parent.parent / "dump"
-    assert sorted(p.name for p in dump.iterdir()) == ["commit", "draft", "prefill", "verify"]
-    for pass_name in ("prefill", "verify", "draft", "commit"):
+    assert sorted(p.name for p in dump.iterdir()) == ["commit", "decode", "draft", "prefill", "verify"]
+    for pass_name in ("prefill", "verify", "draft", "commit", "decode"):
         assert sorted(p.name for p in (dump / pass_name).iterdir()) == ["00-captured.txt", "01-fuse_window_snapshot.txt"]
     before = (dump / "verify" / "00-captured.txt").read_text()
     after = (dump / "verify" / "01-fuse_window_snapshot.txt").read_text()

@@ -77,13 +77,13 @@ def test_tiny_package_records_what_every_pass_does(fused_pkg, tiny_recipe):
     d, passes = Dims.from_recipe(tiny_recipe), fused_pkg.manifest["passes"]
     assert {n: (e["width"], e["advances"], e["reads_staging_of"]) for n, e in passes.items()} == {
         "prefill": (d.prefill_chunk, "lengths", None), "verify": (8, None, None), "draft": (7, None, None),
-        "commit": (8, "accept_len", "verify")}
+        "commit": (8, "accept_len", "verify"), "decode": (1, "lengths", None)}
     base = {"row_ids": "slot_ids", "positions": "positions"}
     paged = {**base, "entry_block_table": "entry_block_table", "index_key_block_table": "index_key_block_table"}
     assert {n: e["row_inputs"] for n, e in passes.items()} == {
         "prefill": {**paged, "tokens": "token_ids", "lengths": "new_tokens"},
         "verify": {**paged, "tokens": "token_ids"}, "draft": {**base, "tokens": "token_ids"},
-        "commit": {**paged, "accept_len": "accepted_tokens"}}
+        "commit": {**paged, "accept_len": "accepted_tokens"}, "decode": {**paged, "tokens": "token_ids", "lengths": "new_tokens"}}
     tables = {s["name"]: s["shape"] for s in passes["prefill"]["inputs"] if s["name"].endswith("block_table")}
     assert tables == {"entry_block_table": ["rows", d.max_seq_len // d.entry_page_tokens],
                       "index_key_block_table": ["rows", d.max_seq_len // d.index_page_tokens]}

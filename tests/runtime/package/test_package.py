@@ -40,7 +40,7 @@ def test_manifest_records_what_the_abi_says(fused_pkg, tiny_recipe):
     assert m["passes"]["verify"]["width"] == 8 and m["passes"]["draft"]["width"] == 7
     assert m["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8]
     assert set(m["files"]) == {"graphs/prefill.pt2", "graphs/verify.pt2", "graphs/draft.pt2",
-                               "graphs/commit.pt2", "weights.safetensors"}
+                               "graphs/commit.pt2", "graphs/decode.pt2", "weights.safetensors"}
     assert {"torch", "b12x", "safetensors", "flashinfer_pin"} <= set(m["versions"])
     text = json.dumps(m)
     assert "/tmp" not in text and str(Path.home()) not in text  # no absolute paths
@@ -96,8 +96,8 @@ def test_load_refuses_a_newer_minor_and_an_older_major(copy_of):
 
 
 def test_load_refuses_an_unknown_opset(copy_of):
-    _edit_manifest(copy_of, lambda m: m.update(opset_version=4))
-    with pytest.raises(PackageError, match="opset_version 4 is unknown"):
+    _edit_manifest(copy_of, lambda m: m.update(opset_version=5))
+    with pytest.raises(PackageError, match="opset_version 5 is unknown"):
         load(copy_of)
 
 

@@ -69,6 +69,6 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
 
 def test_compile_names_the_passes_it_takes(small_path):
     package = load(small_path)
-    with pytest.raises(ValueError, match=r"compile=\('verify', 'decode'\): expected True, False or pass names among "
-                                         r"\['commit', 'draft', 'prefill', 'verify'\]"):
-        package.session(compile=("verify", "decode"))
+    with pytest.raises(ValueError, match=r"compile=\('verify', 'sample'\): expected True, False or pass names among "
+                                         r"\['commit', 'decode', 'draft', 'prefill', 'verify'\]"):
+        package.session(compile=("verify", "sample"))

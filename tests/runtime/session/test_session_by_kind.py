@@ -18,7 +18,7 @@ from b12x_toolchain.runtime.package.reader import Package
 from b12x_toolchain.runtime.session.validate import InputError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-NAMES = {"prefill": "ingest", "verify": "check", "draft": "guess", "commit": "persist"}
+NAMES = {"prefill": "ingest", "verify": "check", "draft": "guess", "commit": "persist", "decode": "step"}
 
 
 @pytest.fixture(scope="module")
