@@ -21,14 +21,39 @@ _E2M1_UP_IF_GT = (0.25, 1.25, 2.5, 5.0)  # above codes 0, 2, 4, 6
 _E2M1_UP_IF_GE = (0.75, 1.75, 3.5)  # above codes 1, 3, 5
 
 
+_TABLES: dict = {}
+_VALUES = {
+    "pow2": tuple(2.0 ** (i - 127) for i in range(255)) + (float("nan"),),
+    "e2m1": _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES),
+}
+
+
+def _table(name: str, device) -> torch.Tensor:
+    """A float32 lookup table on `device`, built once per device.
+
+    Building one from a Python list costs more than the lookup that uses it (tens of
+    microseconds, several times per cache op). Tables are never written. Only plain
+    tensors are kept, and none is handed out under a fake mode (it gets its own), so a
+    tracing tensor never outlives its trace nor meets a real one.
+    """
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return torch.tensor(_VALUES[name], dtype=torch.float32, device=device)
+    key = (name, device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.tensor(_VALUES[name], dtype=torch.float32, device=device)
+        if type(table) is torch.Tensor:
+            _TABLES[key] = table
+    return table
+
+
 def _pow2_table(device: torch.device) -> torch.Tensor:
     """float32 ``2^(i - 127)`` for i in 0..254 and NaN at 255 (the UE8M0 decode).
 
     Built from Python floats, which hold powers of two exactly (2^-127 is a
     float32 subnormal, still exact), so scaling never depends on a libm exp2.
     """
-    vals = [2.0 ** (i - 127) for i in range(255)] + [float("nan")]
-    return torch.tensor(vals, dtype=torch.float32, device=device)
+    return _table("pow2", device)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -108,7 +133,5 @@ def _unpack_e2m1(packed: torch.Tensor, block: int) -> torch.Tensor:
     """float32 E2M1 values ``[..., nblocks, block]`` of packed nibble bytes ``[..., dim/2]``."""
     dim = 2 * packed.shape[-1]
     nib = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], dim)
-    lut = torch.tensor(
-        _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=packed.device
-    )
+    lut = _table("e2m1", packed.device)
     return _blocks(lut[nib.long()], block)
