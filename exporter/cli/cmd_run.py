@@ -95,7 +95,7 @@ def _steps_table(steps: list[dict]) -> Table:
               help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
 @click.option("--compile", "compiled", is_flag=True,
               help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
-                   "(tens of seconds per pass graph; cached locally, keyed by package, device and torch).")
+                   "(half a minute to minutes per pass graph; cached locally, keyed by package, device and torch).")
 def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
         cache_bytes, show_steps, threads, prefix_cache_dir, prefix_cache_bytes, compiled):
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report."""
