@@ -223,6 +223,22 @@ def sparse_kernels(device: str, specs=None, extras: bool = True) -> None:
                "; ".join(problems) or "top-k, blocks, top-k in blocks identical; attention within 1e-5")
 
 
+def mhc_kernel(device: str) -> None:
+    """hc_sinkhorn's kernel against the CPU reference (float32 rounding, not bitwise)."""
+    import torch
+
+    from b12x_toolchain.runtime.ops import triton_mhc
+    from b12x_toolchain.runtime.ops.opset import ops as R
+
+    # On CUDA through the dispatcher; on the CPU dry run the launcher, in the interpreter.
+    kernel = triton_mhc.hc_sinkhorn if device == "cpu" else R.hc_sinkhorn
+    for shape in ((1, 1, 4, 4), (4, 8, 4, 4), (8, 64, 4, 4)):
+        logits = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 4
+        got = kernel(logits.to(device, copy=True), 20, 1e-6).cpu()
+        error = (got - R.hc_sinkhorn(logits, 20, 1e-6)).abs().max().item()
+        record(f"mhc hc_sinkhorn {'x'.join(map(str, shape))}", error <= 1e-5, f"max error {error:.2e} (bound 1e-5)")
+
+
 def sparse_length_case(committed: int, exact: bool, device: str = "cpu") -> dict:
     """SPARSE_ROWS rows at ratio 1 that have each committed `committed` entries, in paged
     caches whose block tables address one capacity for every length; `exact`: index dim 64
@@ -600,7 +616,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment(args.device)
     print("environment:", json.dumps(env), flush=True)
-    for part in (kernel_bytes, sparse_kernels, sessions):
+    for part in (kernel_bytes, sparse_kernels, mhc_kernel, sessions):
         part(args.device)
     if args.device == "cuda":
         bandwidth()

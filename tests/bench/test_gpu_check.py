@@ -30,3 +30,13 @@ def test_kernel_checks_of_the_script_pass_here():
     assert len(names) == 17 and "kernel bytes w7 r3 d512" in names
     assert {f"row ops {fmt}" for fmt in ("dsv41_mxfp8 d512", "dsv41_nvfp4 d64", "dsv41_mxfp4 d128")} <= set(names)
     assert [c.name for c in gpu_check.RESULTS if not c.ok] == []
+
+
+def test_mhc_check_of_the_script_passes_here():
+    pytest.importorskip("triton")
+    from benchmarks import gpu_check
+
+    gpu_check.RESULTS.clear()
+    gpu_check.mhc_kernel("cuda" if torch.cuda.is_available() else "cpu")
+    assert [c.name for c in gpu_check.RESULTS] == [f"mhc hc_sinkhorn {s}" for s in ("1x1x4x4", "4x8x4x4", "8x64x4x4")]
+    assert all(c.ok for c in gpu_check.RESULTS), [c.detail for c in gpu_check.RESULTS]
