@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import io
 import json
 import os
@@ -43,7 +42,8 @@ def _without_canonical_form_check():
     tens of thousands of nodes) was over a quarter of the export. Where a torch has no such
     function the save runs unchanged; tests hold the bytes equal with and without it.
     """
-    serialize = importlib.import_module("torch._export.serde.serialize")
+    from torch._export.serde import serialize
+
     check = getattr(serialize, "canonicalize", None)
     if check is None:
         yield

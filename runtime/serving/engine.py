@@ -69,8 +69,8 @@ class Engine:
         self.prefill_rows = max(session.buckets["prefill"])
         # Without speculation, one token per row per step: through the decode pass where the
         # package has one (nothing but that token's rows), else verify + commit of one row.
-        self.single = "decode" if not speculative and "decode" in session.buckets else None
-        if self.single:
+        self.decode_pass = "decode" if not speculative and "decode" in session.buckets else None
+        if self.decode_pass:
             self.decode_rows = max(session.buckets["decode"])
         self.slots = check_slots(session, slots)
         self.free = deque(self.slots)
@@ -174,7 +174,7 @@ class Engine:
             body = [r for r in self.active if r.length + self.verify_width <= self.max_seq_len]
             for group in _groups(body, self.decode_rows):
                 self.decode_group(group, stats)
-            for group in _groups(tail, self.decode_rows if self.single else self.prefill_rows):
+            for group in _groups(tail, self.decode_rows if self.decode_pass else self.prefill_rows):
                 self._decode_one(group, stats)
             stats.decode_seconds = time.perf_counter() - start
             for request in [r for r in self.active if r.done]:
@@ -307,7 +307,7 @@ class Engine:
 
     def decode_group(self, rows: list[RequestState], stats: StepStats) -> None:
         """draft -> verify -> accept -> commit for one group of rows (one decode replay without speculation)."""
-        if self.single:
+        if self.decode_pass:
             return self._decode_one(rows, stats)
         slots, positions = [r.slot for r in rows], [r.length for r in rows]
         check_rows(slots, self.slots)
@@ -340,7 +340,7 @@ class Engine:
         """One token per row through decode (or prefill), which writes the pending token's rows directly."""
         slots = [r.slot for r in rows]
         check_rows(slots, self.slots)
-        name = self.single or "prefill"
+        name = self.decode_pass or "prefill"
         width = self.session.package.passes[name].width
         out = self._replay(name, stats, tokens=[[r.pending] + [0] * (width - 1) for r in rows],
                            row_ids=slots, positions=[r.length for r in rows], lengths=[1] * len(rows))
