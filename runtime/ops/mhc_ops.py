@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.runtime.ops.namespace import NAMESPACE
+from b12x_toolchain.runtime.ops.define import fake_for, reference_op
 
 
 def sinkhorn_unfused(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -36,7 +36,7 @@ def sinkhorn_unfused(logits: torch.Tensor, iters: int, eps: float) -> torch.Tens
     return comb
 
 
-@torch.library.custom_op(f"{NAMESPACE}::hc_sinkhorn", mutates_args=())
+@reference_op()
 def hc_sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """float32 [..., n, n] doubly stochastic comb matrix of comb logits [..., n, n]."""
     comb = logits.to(torch.float32).softmax(dim=-1).add_(eps)
@@ -51,7 +51,7 @@ def hc_sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-@hc_sinkhorn.register_fake
+@fake_for(hc_sinkhorn)
 def _(logits, iters, eps):
     return torch.empty_like(logits, dtype=torch.float32)
 

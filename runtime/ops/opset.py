@@ -1,6 +1,6 @@
 """Op set v4 (namespace `b12x_toolchain`): every op that reads or writes a cache.
 
-Each op is a `torch.library` custom op whose schema declares what it mutates, with a
+Each op is a `torch.library` op (define.py) whose schema declares what it mutates, with a
 plain-torch reference implementation (used on CPU, and on any device until a kernel is
 registered for it) and a fake implementation so passes can be captured on the meta
 device. On a machine with CUDA, `cuda_kernels` registers Triton kernels for CUDA tensors. Ops never validate indices: the session validates every input before a replay,
@@ -23,6 +23,7 @@ import importlib.util
 import torch
 
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.ops.define import fake_for, reference_op
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION  # noqa: F401 (re-exported)
 from b12x_toolchain.runtime.formats.layout import history_offsets, ring_index, token_view
 from b12x_toolchain.runtime.ops.sparse_ops import page_view
@@ -37,7 +38,7 @@ def _encode(values: torch.Tensor, fmt: str) -> torch.Tensor:
 # ---------------------------------------------------------------- window staging ops
 
 
-@torch.library.custom_op(f"{NAMESPACE}::window_snapshot", mutates_args=("staging",))
+@reference_op(("staging",))
 def window_snapshot(
     ring: torch.Tensor, staging: torch.Tensor, row_ids: torch.Tensor, positions: torch.Tensor,
     history: int, layout: str, page_size: int,
@@ -47,7 +48,7 @@ def window_snapshot(
     token_view(staging)[:, :history] = ring[row_ids.long()[:, None], idx]
 
 
-@torch.library.custom_op(f"{NAMESPACE}::cache_append", mutates_args=("staging",))
+@reference_op(("staging",))
 def cache_append(
     staging: torch.Tensor, kv: torch.Tensor, history: int, layout: str, page_size: int, fmt: str,
 ) -> None:
@@ -56,7 +57,7 @@ def cache_append(
     token_view(staging)[:, history : history + width] = get_format(fmt).encode(kv)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::window_snapshot_append", mutates_args=("staging",))
+@reference_op(("staging",))
 def window_snapshot_append(
     ring: torch.Tensor, staging: torch.Tensor, kv: torch.Tensor, row_ids: torch.Tensor,
     positions: torch.Tensor, history: int, layout: str, page_size: int, fmt: str,
@@ -68,13 +69,13 @@ def window_snapshot_append(
     view[:, history : history + kv.shape[1]] = get_format(fmt).encode(kv)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::window_read", mutates_args=())
+@reference_op(())
 def window_read(staging: torch.Tensor, tokens: int, dim: int, fmt: str) -> torch.Tensor:
     """Decode the first `tokens` staging rows of every pass row: [rows, tokens, dim] fp32."""
     return get_format(fmt).decode(token_view(staging)[:, :tokens], dim)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::window_commit", mutates_args=("ring",))
+@reference_op(("ring",))
 def window_commit(
     ring: torch.Tensor, staging: torch.Tensor, row_ids: torch.Tensor, positions: torch.Tensor,
     accept_len: torch.Tensor, history: int, width: int,
@@ -90,7 +91,7 @@ def window_commit(
 # ---------------------------------------------------------------- generic row ops
 
 
-@torch.library.custom_op(f"{NAMESPACE}::write_rows", mutates_args=("cache",))
+@reference_op(("cache",))
 def write_rows(
     cache: torch.Tensor, values: torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor,
     valid: torch.Tensor, fmt: str,
@@ -104,7 +105,7 @@ def write_rows(
     cache[slots[valid], index.long()[valid]] = _encode(values[valid], fmt)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::write_slots", mutates_args=("cache",))
+@reference_op(("cache",))
 def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
     """Paged cache [pages, page_bytes]: entry slot slot_mapping[r, t] = encode(values[r, t]), where >= 0.
 
@@ -118,7 +119,7 @@ def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.T
     pages[slots // pages.shape[1], slots % pages.shape[1]] = _encode(values[keep], fmt)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gather_rows", mutates_args=())
+@reference_op(())
 def gather_rows(
     cache: torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor, dim: int, fmt: str,
 ) -> torch.Tensor:
@@ -127,24 +128,24 @@ def gather_rows(
     return get_format(fmt).decode(cache[row_ids.long()[:, None], idx], dim)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::stage_rows", mutates_args=("staging",))
+@reference_op(("staging",))
 def stage_rows(staging: torch.Tensor, values: torch.Tensor, fmt: str) -> None:
     """Encode values [rows, width, dim] into a flat staging buffer [rows, width, bytes]."""
     staging[:, : values.shape[1]] = get_format(fmt).encode(values)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::read_rows", mutates_args=())
+@reference_op(())
 def read_rows(staging: torch.Tensor, dim: int, fmt: str) -> torch.Tensor:
     return get_format(fmt).decode(staging, dim)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::round_trip", mutates_args=())
+@reference_op(())
 def round_trip(values: torch.Tensor, fmt: str) -> torch.Tensor:
     """decode(encode(values)): what a later read of these rows from a cache returns."""
     return get_format(fmt).decode(get_format(fmt).encode(values), values.shape[-1])
 
 
-@torch.library.custom_op(f"{NAMESPACE}::set_seq_len", mutates_args=("seq_len",))
+@reference_op(("seq_len",))
 def set_seq_len(seq_len: torch.Tensor, row_ids: torch.Tensor, values: torch.Tensor) -> None:
     seq_len[row_ids.long()] = values.to(seq_len.dtype)
 
@@ -153,25 +154,25 @@ def set_seq_len(seq_len: torch.Tensor, row_ids: torch.Tensor, values: torch.Tens
 
 for _op in (window_snapshot, cache_append, window_snapshot_append, window_commit, write_rows, write_slots,
             stage_rows, set_seq_len):
-    _op.register_fake(lambda *args, **kwargs: None)
+    fake_for(_op)(lambda *args, **kwargs: None)
 
 
-@window_read.register_fake
+@fake_for(window_read)
 def _(staging, tokens, dim, fmt):
     return staging.new_empty((staging.shape[0], tokens, dim), dtype=torch.float32)
 
 
-@gather_rows.register_fake
+@fake_for(gather_rows)
 def _(cache, row_ids, index, dim, fmt):
     return cache.new_empty((index.shape[0], index.shape[1], dim), dtype=torch.float32)
 
 
-@read_rows.register_fake
+@fake_for(read_rows)
 def _(staging, dim, fmt):
     return staging.new_empty((staging.shape[0], staging.shape[1], dim), dtype=torch.float32)
 
 
-@round_trip.register_fake
+@fake_for(round_trip)
 def _(values, fmt):
     return torch.empty_like(values, dtype=torch.float32)
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.ops.namespace import NAMESPACE
+from b12x_toolchain.runtime.ops.define import fake_for, reference_op
 
 NEG_INF = float("-inf")
 
@@ -118,7 +118,7 @@ def _top_ids(score: torch.Tensor, ids: torch.Tensor, k: int, out: torch.Tensor) 
     out[t, (chosen.cumsum(dim=-1) - 1)[t, j]] = ids[j].to(out.dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::indexer_topk", mutates_args=())
+@reference_op()
 def indexer_topk(
     q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, new_keys: torch.Tensor,
     block_table: torch.Tensor, positions: torch.Tensor, candidates: Optional[torch.Tensor], ratio: int,
@@ -145,7 +145,7 @@ def indexer_topk(
     return out
 
 
-@torch.library.custom_op(f"{NAMESPACE}::candidate_blocks", mutates_args=())
+@reference_op()
 def candidate_blocks(
     q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, new_keys: torch.Tensor,
     block_table: torch.Tensor, positions: torch.Tensor, ratio: int, block_size: int, blocks: int, fmt: str,
@@ -170,7 +170,7 @@ def candidate_blocks(
     return out
 
 
-@torch.library.custom_op(f"{NAMESPACE}::sparse_attention", mutates_args=())
+@reference_op()
 def sparse_attention(
     q: torch.Tensor, window: torch.Tensor, window_visible: torch.Tensor, sinks: torch.Tensor,
     entry_cache: Optional[torch.Tensor], new_entries: Optional[torch.Tensor], block_table: torch.Tensor,
@@ -214,17 +214,17 @@ def sparse_attention(
     return out
 
 
-@indexer_topk.register_fake
+@fake_for(indexer_topk)
 def _(q, head_weights, index_cache, new_keys, block_table, positions, candidates, ratio, block_size, topk, fmt):
     return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)
 
 
-@candidate_blocks.register_fake
+@fake_for(candidate_blocks)
 def _(q, head_weights, index_cache, new_keys, block_table, positions, ratio, block_size, blocks, fmt):
     return q.new_empty((q.shape[0], q.shape[1], blocks + 1), dtype=torch.int32)
 
 
-@sparse_attention.register_fake
+@fake_for(sparse_attention)
 def _(q, window, window_visible, sinks, entry_cache, new_entries, block_table, positions, indices, ratio, fmt):
     return torch.empty_like(q, dtype=torch.float32)
 
