@@ -43,36 +43,29 @@ def page_view(cache: torch.Tensor, record_bytes: int) -> torch.Tensor:
     return cache.view(cache.shape[0], cache.shape[1] // record_bytes, record_bytes)
 
 
-def stored_records(cache, block_table, rows, ids, record_bytes: int) -> torch.Tensor:
-    """The encoded records of entry ids (stored ones) of pass rows `rows`, through the block table.
-
-    Entry j of a row lives in page block_table[row, j // entries_per_page], at record
-    j % entries_per_page of that page.
-    """
-    pages = page_view(cache, record_bytes)
-    per_page = pages.shape[1]
-    return pages[block_table.long()[rows, ids // per_page], ids % per_page]
-
-
 def entry_rows(cache, new, block_table, positions, ids, ratio: int, dim: int, fmt: str) -> torch.Tensor:
     """Decoded entries [*ids.shape, dim] for ids [R, ...]; zeros where an id is -1.
 
-    Stored ids are read from the paged cache (only those, decoded once each per
-    occurrence); this pass's come from `new` [R, T, dim], already as a later read returns them.
+    Stored ids are read from the paged cache, this pass's from `new` [R, T, dim] (already as
+    a later read returns them). Static shapes and no host sync: every listed id's record is
+    gathered and decoded (one that is not stored reads some record of the pages, unused),
+    then each id takes its stored record, its entry of `new` or zero.
     """
     R = ids.shape[0]
     flat = ids.reshape(R, -1).long()
     committed = positions.long()[:, None] // ratio
     stored, fresh = (flat >= 0) & (flat < committed), flat >= committed
-    out = torch.zeros(R, flat.shape[1], dim, dtype=torch.float32, device=new.device)
-    rows = torch.arange(R, device=flat.device)[:, None].expand_as(flat)
     codec = get_format(fmt)
-    if bool(stored.any()):
-        records = stored_records(cache, block_table, rows[stored], flat[stored], codec.row_bytes(dim))
-        out[stored] = codec.decode(records, dim)
-    if bool(fresh.any()):
-        pass_row = (flat + 1) * ratio - 1 - positions.long()[:, None]
-        out[fresh] = new[rows[fresh], pass_row[fresh]].float()
+    pages = page_view(cache, codec.row_bytes(dim))
+    per_page = pages.shape[1]
+    safe = torch.where(stored, flat, 0)
+    column = (safe // per_page).clamp(max=block_table.shape[1] - 1)
+    page = block_table.long().gather(1, column).clamp(min=0)
+    out = torch.where(stored[..., None], codec.decode(pages[page, safe % per_page], dim), 0.0)
+    if new is not None:
+        pass_row = ((flat + 1) * ratio - 1 - positions.long()[:, None]).clamp(0, new.shape[1] - 1)
+        recent = new.float().gather(1, pass_row[..., None].expand(-1, -1, dim))
+        out = torch.where(fresh[..., None], recent, out)
     return out.view(*ids.shape, dim)
 
 
@@ -187,30 +180,37 @@ def sparse_attention(
     R, T, H, D = q.shape
     scale = D ** -0.5
     # Zero window rows no query may see: stale or poisoned bytes must not reach 0 * NaN.
-    keys = torch.where(window_visible.any(dim=1)[..., None], window, torch.zeros_like(window))
-    parts = [torch.einsum("rthd,rsd->rths", q, keys).mul(scale).masked_fill(~window_visible[:, :, None, :], NEG_INF)]
+    keys = window.masked_fill(~window_visible.any(dim=1)[..., None], 0.0)
+    S = keys.shape[1]
+    flat_q = q.reshape(R, T * H, D)  # matmuls over (query, head) rows: one bmm per product
+    window_scores = torch.bmm(flat_q, keys.transpose(1, 2)).view(R, T, H, S).mul(scale)
+    parts = [window_scores.masked_fill(~window_visible[:, :, None, :], NEG_INF)]
     entries = None
     if entry_cache is not None:
         if indices is not None:
-            entries = entry_rows(entry_cache, new_entries, block_table, positions, indices, ratio, D, fmt)  # [R,T,K,D]
-            score = torch.einsum("rthd,rtkd->rthk", q, entries).mul(scale)
+            K = indices.shape[-1]
+            entries = entry_rows(entry_cache, new_entries, block_table, positions, indices, ratio, D, fmt)
+            entries = entries.view(R * T, K, D)  # per (row, query): its own K entries
+            score = torch.bmm(q.reshape(R * T, H, D), entries.transpose(1, 2)).view(R, T, H, K).mul(scale)
             parts.append(score.masked_fill((indices < 0)[:, :, None, :], NEG_INF))
         else:
             below = visible_below(positions, T, ratio)
             ids = torch.arange(int(below.max()), device=q.device).expand(R, -1)
             ids = torch.where(ids < below[:, -1:], ids, -1)
             entries = entry_rows(entry_cache, new_entries, block_table, positions, ids, ratio, D, fmt)  # [R,N,D]
-            score = torch.einsum("rthd,rnd->rthn", q, entries).mul(scale)
+            score = torch.bmm(flat_q, entries.transpose(1, 2)).view(R, T, H, -1).mul(scale)
             seen = (ids[:, None, :] >= 0) & (ids[:, None, :] < below[..., None])
             parts.append(score.masked_fill(~seen[:, :, None, :], NEG_INF))
     parts.append(sinks.view(1, 1, H, 1).expand(R, T, H, 1).float())
     logits = torch.cat(parts, dim=-1)
     probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)
-    S = keys.shape[1]
-    out = torch.einsum("rths,rsd->rthd", probs[..., :S], keys)
+    out = torch.bmm(probs[..., :S].reshape(R, T * H, S), keys).view(R, T, H, D)
     if entries is not None:
-        rule = "rthk,rtkd->rthd" if indices is not None else "rthn,rnd->rthd"
-        out = out + torch.einsum(rule, probs[..., S:-1], entries)
+        if indices is not None:
+            from_entries = torch.bmm(probs[..., S:-1].reshape(R * T, H, -1), entries)
+        else:
+            from_entries = torch.bmm(probs[..., S:-1].reshape(R, T * H, -1), entries)
+        out = out + from_entries.view(R, T, H, D)
     return out
 
 
