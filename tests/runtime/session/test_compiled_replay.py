@@ -11,7 +11,7 @@ from conftest import random_tokens
 
 pytestmark = pytest.mark.slow(minutes=1.5)
 
-COMPILED = ("verify", "commit")  # one pass that computes, one that moves bytes (each compile costs tens of seconds)
+COMPILED = ("decode", "verify", "commit")  # writes caches, stages, moves bytes (each compile costs tens of seconds)
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +21,10 @@ def sessions(small_path, tmp_path_factory):
     plain = package.session(slots=1, max_rows=1)
     compiled = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache)
     return package, plain, compiled, cache
+
+
+def _cache_specs(package) -> dict:
+    return {s.name: s for info in package.passes.values() for s in info.inputs if s.role == "cache"}
 
 
 def _copy_state(source, target):
@@ -46,8 +50,9 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
         got = compiled.replay("verify", **step)["logits"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     called = {e.key for e in profile.key_averages()}
-    # The cache ops run as themselves; Inductor took hc_sinkhorn as the loop it fuses.
-    assert "b12x_toolchain::sparse_attention" in called and "b12x_toolchain::hc_sinkhorn" not in called
+    # The ops that select by data run as themselves; Inductor took the pure ones as their references.
+    assert "b12x_toolchain::indexer_topk" in called and "b12x_toolchain::window_snapshot_append" in called
+    assert not called & {"b12x_toolchain::hc_sinkhorn", "b12x_toolchain::window_read", "b12x_toolchain::read_rows"}
 
     # ... and commit, which only moves bytes, writes exactly the same caches.
     _copy_state(plain, compiled)
@@ -56,6 +61,26 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
         "next_positions"].tolist()
     for name in plain.caches:
         assert torch.equal(compiled.caches[name], plain.caches[name]), name
+
+    # Decode (after the commit) writes the caches: the same logits, and the same records (the state rings hold
+    # raw float32 rows, which fused arithmetic rounds differently).
+    _copy_state(plain, compiled)
+    start = int(plain.seq_lens[0])
+    for i in range(2):
+        step = {"tokens": [[block[i]]], "row_ids": [0], "positions": [start + i], "lengths": [1]}
+        want = plain.replay("decode", **step)["logits"].clone()
+        with torch.profiler.profile() as profile:
+            got = compiled.replay("decode", **step)["logits"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    called = {e.key for e in profile.key_averages()}
+    assert "b12x_toolchain::write_rows" in called and "b12x_toolchain::round_trip" not in called
+    for name, spec in _cache_specs(package).items():
+        if spec.info.format == "fp32":
+            torch.testing.assert_close(compiled.caches[name].view(torch.float32), plain.caches[name].view(torch.float32),
+                                       rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(compiled.caches[name], plain.caches[name]), name
+
 
     ran = [b.graph for p in COMPILED for b in compiled.buckets[p].values()]
     assert all(isinstance(g, CompiledGraph) and g.compiled for g in ran)  # the compiled code really ran
