@@ -29,13 +29,15 @@ class StagedIO:
         self.d, self.caches, self.staging, self.block_tables = d, caches, staging, block_tables
         self.row_ids, self.positions, self.pass_name = row_ids, positions, pass_name
 
-    def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
+    def window(self, owner: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [R, history + T, D]: the whole snapshot (commit copies from it), then kv; and their positions."""
         d = self.d
         stage = self.staging[f"staging.{self.pass_name}.{owner}.window"]
         ops.window_snapshot(self.caches[f"cache.{owner}.window"], stage, self.row_ids, self.positions,
                             d.history, d.layout, d.page_size)
         ops.cache_append(stage, kv, d.history, d.layout, d.page_size, d.window_format)
-        return ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
+        keys = ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
+        return keys, _key_positions(self.positions, d.history, kv.shape[1])
 
     def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
         prev = ops.gather_rows(self.caches[f"cache.{name}"], self.row_ids, _before(self.positions, span - 1),
@@ -64,13 +66,15 @@ class DirectIO:
         self.valid = self.offsets[None, :] < lengths.long()[:, None]
         self.end = positions.long() + lengths.long()
 
-    def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
+    def window(self, owner: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys: the ring rows the first query can still see (window - 1 of them, no more than
+        the ring holds; older rows are outside every query's window), then kv; and their positions."""
         d = self.d
-        ring = self.caches[f"cache.{owner}.window"]
-        history = ops.gather_rows(ring, self.row_ids, _before(self.positions, d.history), d.head_dim, d.window_format)
+        ring, seen = self.caches[f"cache.{owner}.window"], min(d.history, d.window - 1)
+        history = ops.gather_rows(ring, self.row_ids, _before(self.positions, seen), d.head_dim, d.window_format)
         new = ops.round_trip(kv, d.window_format)
         ops.write_rows(ring, kv, self.row_ids, self.pos % d.history, self.valid, d.window_format)
-        return torch.cat([history, new], dim=1)
+        return torch.cat([history, new], dim=1), _key_positions(self.positions, seen, kv.shape[1])
 
     def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
         cache = self.caches[f"cache.{name}"]
@@ -102,6 +106,11 @@ def slot_mapping(block_table: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
     column = (ids // per_page).clamp(0, block_table.shape[1] - 1)
     page = block_table.long().gather(1, column)
     return torch.where(valid & (page >= 0), page * per_page + ids % per_page, -1)
+
+
+def _key_positions(positions: torch.Tensor, history: int, width: int) -> torch.Tensor:
+    """[R, history + width]: the `history` positions before each row's first, then the pass's own."""
+    return positions.long()[:, None] + torch.arange(-history, width, device=positions.device)
 
 
 def _before(positions: torch.Tensor, count: int) -> torch.Tensor:

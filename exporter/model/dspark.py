@@ -47,7 +47,7 @@ class DSparkDrafter(DraftStages):
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         for s in range(d.draft_stages):
             streams = c.layer(w, f"mtp.{s}.", streams, tokens, pos, main,
-                              lambda kv, s=s: self._window(io, f"draft{s}", kv, pos), d.draft_moe,
+                              lambda kv, s=s: io.window(f"draft{s}", kv), d.draft_moe,
                               block_from=d.history)
         logits, h = c.logits(w, "dspark.", streams)
         confidence = torch.sigmoid(F.linear(h, w["dspark.confidence.weight"], w["dspark.confidence.bias"]))[..., 0]
@@ -57,8 +57,3 @@ class DSparkDrafter(DraftStages):
             rows.append(logits[:, j] + bias)
             prev = rows[-1].argmax(dim=-1)
         return {"logits": torch.stack(rows, dim=1), "confidence": confidence}
-
-    def _window(self, io, owner, kv, pos):
-        history = self.d.history
-        key_pos = torch.cat([pos[:, :1] + torch.arange(-history, 0, device=pos.device), pos], dim=1)
-        return io.window(owner, kv), key_pos

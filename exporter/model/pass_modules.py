@@ -41,16 +41,11 @@ class DeepSeekPass(DeepSeekCompute):
         for i, ratio in enumerate(d.ratios):
             compressed = self.compressed_keys(w, i, io, caches, row_ids, pos, shared, compress) if ratio else None
             streams = self.layer(w, f"model.layers.{i}.", streams, tokens, pos, compress if ratio else main,
-                                 lambda kv, i=i: self.window_keys(io, f"layer{i}", kv, pos), d.moe,
+                                 lambda kv, i=i: io.window(f"layer{i}", kv), d.moe,
                                  compressed=compressed)
             taps[i] = streams
         logits, _ = self.logits(w, "model.", streams)
         return logits, streams, taps
-
-    def window_keys(self, io, owner, kv, pos):
-        history = self.d.history
-        key_pos = torch.cat([pos[:, :1] + torch.arange(-history, 0, device=pos.device), pos], dim=1)
-        return io.window(owner, kv), key_pos
 
     def base_inputs(self, caches):
         """Slot ids, positions, and a block table per page pool of the paged caches the pass binds."""

@@ -16,6 +16,7 @@ import torch
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
+from b12x_toolchain.runtime.ops.opset import ops
 from near_ties import first_difference
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
@@ -25,6 +26,7 @@ from hf_reference import reference_logits, save_tiny_checkpoint
 pytestmark = pytest.mark.slow(minutes=3)  # the module's time on two busy cores: longest runs first
 
 TOLERANCE = 1e-4
+SPARSE_ATTENTION = ops.sparse_attention.default
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +118,18 @@ def test_incremental_logits_match_reference(fp32_pkg, recipe, expected, sequence
         print(f"request {slot}: {n} positions, max |Δlogit| {err:.3g}")
         assert err < TOLERANCE
 
+
+
+def test_prefill_and_decode_attend_only_the_history_a_query_can_see(fp32_pkg, recipe):
+    """The ring keeps `history` rows (verify snapshots them all for commit), but a query sees
+    only the window - 1 positions before it, so the passes that read the ring directly
+    gather those and no more; the logits tests above hold the result to the reference."""
+    d = Dims.from_recipe(recipe)
+    assert d.history > d.window - 1  # dsv4-tiny keeps more history than its window shows
+    for name, history in (("prefill", d.window - 1), ("decode", d.window - 1), ("verify", d.history)):
+        info = fp32_pkg.passes[name]
+        keys = [n.args[1].meta["val"].shape[1] for n in info.program.graph.nodes if n.target == SPARSE_ATTENTION]
+        assert keys == [history + info.width] * len(d.ratios), name
 
 
 def test_quantised_formats_stay_within_bound(quantised_pkg, recipe, expected, sequences):
