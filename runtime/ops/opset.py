@@ -101,8 +101,8 @@ def write_rows(
     Callers guarantee the valid (slot, index) pairs are unique, so the write order does
     not matter. fmt "bytes" copies already-encoded rows (commit from staging).
     """
-    slots = row_ids.long()[:, None].expand_as(valid)
-    cache[slots[valid], index.long()[valid]] = _encode(values[valid], fmt)
+    r, t = valid.nonzero(as_tuple=True)  # one nonzero, then plain index gathers
+    cache[row_ids.long()[r], index.long()[r, t]] = _encode(values[r, t], fmt)
 
 
 @reference_op(("cache",))
@@ -114,9 +114,9 @@ def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.T
     """
     record_bytes = values.shape[-1] if fmt == RAW_BYTES else get_format(fmt).row_bytes(values.shape[-1])
     pages = page_view(cache, record_bytes)
-    keep = slot_mapping >= 0
-    slots = slot_mapping.long()[keep]
-    pages[slots // pages.shape[1], slots % pages.shape[1]] = _encode(values[keep], fmt)
+    r, t = (slot_mapping >= 0).nonzero(as_tuple=True)
+    slots = slot_mapping.long()[r, t]
+    pages[slots // pages.shape[1], slots % pages.shape[1]] = _encode(values[r, t], fmt)
 
 
 @reference_op(())

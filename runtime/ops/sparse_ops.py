@@ -70,23 +70,26 @@ def entry_rows(cache, new, block_table, positions, ids, ratio: int, dim: int, fm
 
 
 def _row_scores(q, head_weights, index_cache, new_keys, block_table, positions, r: int, ratio: int, fmt: str):
-    """(ids [n], score [T, n]) over row r's live entries; -inf where a query may not see one."""
+    """(ids [n], score [T, n]) over row r's live entries; -inf where a query may not see one.
+
+    Row r's live ids are 0 .. n-1: the `committed` stored ones, then one per pass row that
+    closes a group (rows first, first + ratio, ...), which are the next ids in order.
+    """
     T, dim = q.shape[1], q.shape[-1]
-    committed = int(positions[r]) // ratio
-    closing = closing_ids(positions[r : r + 1], T, ratio)[0]
-    fresh_rows = (closing >= 0).nonzero().flatten()
+    start = int(positions[r])
+    committed = start // ratio
+    first = (ratio - 1 - start) % ratio  # the first pass row whose position closes a group
     codec = get_format(fmt)
     pages = page_view(index_cache, codec.row_bytes(dim))
     used = -(-committed // pages.shape[1])
     records = pages[block_table[r, :used].long()].flatten(0, 1)[:committed]
-    stored = codec.decode(records, dim)
-    keys = torch.cat([stored, new_keys[r, fresh_rows].float()], dim=0)
-    ids = torch.cat([torch.arange(committed, device=keys.device), closing[fresh_rows]])
+    keys = torch.cat([codec.decode(records, dim), new_keys[r, first::ratio].float()], dim=0)
+    ids = torch.arange(keys.shape[0], device=keys.device)
     # Same order of operations as the dense indexer: ReLU per head, scale, weight, sum.
-    per_head = torch.relu(torch.einsum("thd,sd->ths", q[r], keys)) * dim ** -0.5
+    per_head = torch.relu(torch.matmul(q[r], keys.t())) * dim ** -0.5  # [T, H, n]
     score = (per_head * head_weights[r][..., None]).sum(dim=1)
-    visible = ids[None, :] < visible_below(positions[r : r + 1], T, ratio)[0][:, None]
-    return ids, score.masked_fill(~visible, NEG_INF)
+    below = torch.arange(start + 1, start + T + 1, device=keys.device) // ratio  # ids each query may see
+    return ids, score.masked_fill(ids[None, :] >= below[:, None], NEG_INF)
 
 
 def _top_ids(score: torch.Tensor, ids: torch.Tensor, k: int, out: torch.Tensor) -> None:
