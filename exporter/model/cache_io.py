@@ -115,5 +115,5 @@ def _key_positions(positions: torch.Tensor, history: int, width: int) -> torch.T
 
 def _before(positions: torch.Tensor, count: int) -> torch.Tensor:
     """Absolute positions of the `count` rows just before each row's first position."""
-    return positions.long()[:, None] + torch.arange(-count, 0, device=positions.device)
+    return _key_positions(positions, count, 0)
 

@@ -18,7 +18,6 @@ from b12x_toolchain.exporter.model.cache_io import StagedIO
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
 from b12x_toolchain.exporter.model.blocks import rms_norm, rope
 from b12x_toolchain.runtime.package.abi import BufferSpec
-from b12x_toolchain.runtime.ops.opset import ops
 
 
 class DSparkDrafter(DraftStages):

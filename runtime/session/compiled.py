@@ -27,10 +27,9 @@ Passes that only move bytes (commit) are bitwise.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from pathlib import Path
-
-import copy
 
 import torch
 
@@ -87,7 +86,7 @@ class CompiledGraph:
             graph = copy.deepcopy(self.graph)  # buckets (and the uncompiled replay) share the package's graph
             lower_for_inductor(graph)
             with _inductor_cache(self.directory):
-                self._compiled = compile_fx(graph, list(args), decompositions=_decompositions())
+                self._compiled = compile_fx(graph, list(args))  # Inductor's own decompositions
         return self._compiled(*args)
 
 
@@ -139,8 +138,3 @@ def lower_for_inductor(graph: torch.fx.GraphModule) -> dict[str, int]:
     graph.recompile()
     return counts
 
-
-def _decompositions() -> dict:
-    from torch._inductor.decomposition import select_decomp_table
-
-    return select_decomp_table()
