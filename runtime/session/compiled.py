@@ -68,6 +68,14 @@ def _inductor_cache(directory: Path):
             os.environ[INDUCTOR_ENV] = before
 
 
+INDUCTOR_CONFIG = {"reorder_for_locality": False}
+"""A pass reads a cache's rows (the window history) before writing new ones over the ring.
+Inductor's locality reordering would move that read past the write, and a cache read
+after its write cannot be updated in place: Inductor would then clone the whole cache,
+write the clone and copy it back on every replay, a cost of the cache's size rather than
+the request's. Kept in graph order, every cache write happens in place."""
+
+
 class CompiledGraph:
     """Callable like the pass graph; compiles itself with Inductor on the first call."""
 
@@ -86,7 +94,8 @@ class CompiledGraph:
             graph = copy.deepcopy(self.graph)  # buckets (and the uncompiled replay) share the package's graph
             lower_for_inductor(graph)
             with _inductor_cache(self.directory):
-                self._compiled = compile_fx(graph, list(args))  # Inductor's own decompositions
+                # Inductor's own decompositions; graph order kept (see INDUCTOR_CONFIG).
+                self._compiled = compile_fx(graph, list(args), config_patches=INDUCTOR_CONFIG)
         return self._compiled(*args)
 
 
