@@ -15,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.formats.layout import history_offsets, ring_index
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.session import compiled
 from b12x_toolchain.runtime.session.compiled import CompiledGraph
@@ -24,9 +25,8 @@ FMT, DIM = "dsv41_mxfp8", 64
 
 def _read_then_write(ring, rows, row_ids, positions, valid):
     """A pass's window layer in small: read the history rows, then write new rows over the ring."""
-    history = positions.long()[:, None] + torch.arange(-4, 0)
-    old = ops.gather_rows.default(ring, row_ids, history, DIM, FMT)
-    index = torch.remainder(positions.long()[:, None] + torch.arange(rows.shape[1]), ring.shape[1])
+    old = ops.gather_rows.default(ring, row_ids, positions.long()[:, None] + history_offsets(4, ring.device), DIM, FMT)
+    index = ring_index(positions, torch.arange(rows.shape[1]), ring.shape[1])
     ops.write_rows.default(ring, rows, row_ids, index, valid, FMT)
     return old.sum(dim=1)
 
