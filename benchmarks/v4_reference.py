@@ -53,7 +53,7 @@ from benchmarks.registry import Settings, benchmark, compare_rates
 from benchmarks.serving import oracle_drafter
 
 RECIPE = "dsv4-tiny"
-PROMPT_TOKENS = 256  # four 64-token prefill chunks: far past the 32-token window, many HCA groups closed
+PROMPT_TOKENS = 256  # two 128-token prefill chunks: far past the 32-token window, many HCA groups closed
 NEW_TOKENS = 33  # the first from prefill, then 32 decoded: four full speculative steps of 8
 SEED = 0
 FP32_CACHES = {"window_format": "fp32", "compressed_format": "fp32", "index_format": "fp32"}
