@@ -49,18 +49,46 @@ def inv_freq(theta: float, rope_dim: int, yarn: tuple | None, device=None) -> to
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def rope_angles(pos: torch.Tensor, freqs: torch.Tensor):
+class Rotation:
+    """RoPE at a set of positions, as tables over the rotated channels.
+
+    Channel pair (2i, 2i+1) turns by angle_i, so a rotation is x * cos + swap_pairs(x) * sin
+    with cos = (c_i, c_i) and sin = (-s_i, s_i) interleaved: x1*c - x2*s and x2*c + x1*s,
+    the reference's products and sums bit for bit (a + (-b) is a - b in IEEE arithmetic).
+    A pass builds each table once and every layer that rotates at those positions shares it;
+    per call that leaves nine graph nodes where the pairwise form and its broadcasts took
+    fifteen, and graph nodes are what a full-size capture pays for in tracing time.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+        self._heads = self._inverse = None
+
+    def heads(self) -> "Rotation":
+        """The same rotation broadcast over a heads axis before the channels ([R, T, 1, width])."""
+        if self._heads is None:
+            self._heads = Rotation(self.cos[:, :, None], self.sin[:, :, None])
+        return self._heads
+
+    def inverse(self) -> "Rotation":
+        """The rotation by minus the angles."""
+        if self._inverse is None:
+            self._inverse = Rotation(self.cos, -self.sin)
+        return self._inverse
+
+
+def rope_angles(pos: torch.Tensor, freqs: torch.Tensor) -> Rotation:
     angle = pos.to(torch.float32)[..., None] * freqs.to(pos.device)
-    return angle.cos(), angle.sin()
+    cos, sin = angle.cos(), angle.sin()
+    return Rotation(torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive channel pairs of the trailing 2 * cos.shape[-1] channels."""
-    rope_dim = 2 * cos.shape[-1]
-    nope, r = x[..., :-rope_dim], x[..., -rope_dim:]
-    x1, x2 = r[..., 0::2], r[..., 1::2]
-    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated], dim=-1)
+def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """Rotate consecutive channel pairs of the trailing rotation-width channels."""
+    width = rotation.cos.shape[-1]
+    nope, r = x[..., :-width], x[..., -width:]
+    swapped = r.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return torch.cat([nope, r * rotation.cos + swapped * rotation.sin], dim=-1)
 
 
 # --- attention output (attention itself is the op set's sparse_attention) -------------

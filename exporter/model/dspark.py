@@ -26,14 +26,14 @@ class DSparkDrafter(DraftStages):
 
     def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
         d = self.d
-        main, _ = self.c.angles(pos)
+        main = self.c.angles(pos)
         hidden = torch.cat([taps[i].mean(dim=-2) for i in d.target_layer_ids], dim=-1)
         main_x = rms_norm(F.linear(hidden, w["dspark.main_proj.weight"]), w["dspark.main_norm.weight"], d.eps)
         for s in range(d.draft_stages):
             p = f"mtp.{s}."
             x = rms_norm(main_x, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
-            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), *main)
+            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
             io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
 
     def draft(self, w, caches, staging, inputs):
@@ -41,7 +41,7 @@ class DSparkDrafter(DraftStages):
         row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
         io = StagedIO(d, caches, staging, row_ids, positions, "draft", {})
         pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
-        main, _ = c.angles(pos)
+        main = c.angles(pos)
         x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         for s in range(d.draft_stages):

@@ -26,10 +26,12 @@ ENTRY_POOL, INDEX_POOL = KINDS["compressed_entries"].pool, KINDS["index_keys"].p
 
 
 class Shared:
-    """What compressed layers hand on within one pass: entries by kv source, choices by index source."""
+    """What compressed layers hand on within one pass: entries by kv source, choices by index source,
+    RoPE tables by ratio."""
 
     def __init__(self):
         self.keys, self.index_keys, self.candidates, self.chosen = {}, {}, {}, {}
+        self.starts = {}  # compress ratio -> the RoPE at each pass row's group start
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,13 @@ class DeepSeekCompute(torch.nn.Module):
     # -- positions ----------------------------------------------------------------------
 
     def angles(self, pos):
-        """(cos, sin) of the main RoPE (window-only layers) and of the compress RoPE (YaRN)."""
+        """The main RoPE at `pos` (window-only layers and the draft stages)."""
         d = self.d
-        main = rope_angles(pos, inv_freq(d.rope_theta, d.rope_dim, None, pos.device))
-        return main, rope_angles(pos, self.compress_freqs(pos.device))
+        return rope_angles(pos, inv_freq(d.rope_theta, d.rope_dim, None, pos.device))
+
+    def compress_angles(self, pos):
+        """The compress RoPE (YaRN) at `pos` (compressed layers and their indexers)."""
+        return rope_angles(pos, self.compress_freqs(pos.device))
 
     def compress_freqs(self, device):
         return inv_freq(self.d.compress_rope_theta, self.d.rope_dim, self.d.yarn, device)
@@ -75,13 +80,12 @@ class DeepSeekCompute(torch.nn.Module):
         post, comb, collapsed = hc_mix(w, p + "attn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
         x = rms_norm(collapsed, w[p + "input_layernorm.weight"], d.eps)
         a = p + "self_attn."
-        cos, sin = angles
         q_res = rms_norm(F.linear(x, w[a + "q_a_proj.weight"]), w[a + "q_a_norm.weight"], d.eps)
         q = F.linear(q_res, w[a + "q_b_proj.weight"]).view(R, T, d.heads, d.head_dim)
         if d.v4:  # V4 normalises each query head; V4.1 does not
             q = unit_rms_norm(q, d.eps)
-        q = rope(q, cos[:, :, None], sin[:, :, None])
-        kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), cos, sin)
+        q = rope(q, angles.heads())
+        kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), angles)
         keys, key_pos = window_keys(kv)
         kp, qp = key_pos[:, None, :], pos[:, :, None]
         ordered = kp <= qp
@@ -94,7 +98,7 @@ class DeepSeekCompute(torch.nn.Module):
             e = compressed(x, q_res)
             out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], e.cache, e.new, e.block_table, e.positions,
                                        e.indices, e.ratio, e.fmt)
-        out = rope(out, cos[:, :, None], -sin[:, :, None])  # K = V carried RoPE into the output
+        out = rope(out, angles.heads().inverse())  # K = V carried RoPE into the output
         streams = hc_merge(post, comb, grouped_out(w, a, out.flatten(2), d.o_groups), streams)
         post, comb, collapsed = hc_mix(w, p + "ffn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
         y = moe(w, p + "mlp.", rms_norm(collapsed, w[p + "post_attention_layernorm.weight"], d.eps), tokens, moe_dims)
@@ -134,21 +138,23 @@ class DeepSeekCompute(torch.nn.Module):
         ratio, kind, role = d.ratios[i], d.kind(i), d.role(i)
         c = f"model.layers.{i}.self_attn.compressor."
         source = i if d.v4 else d.kv_source[i]
-        start = rope_angles(pos - (ratio - 1), self.compress_freqs(pos.device))  # an entry sits at its group start
+        if ratio not in shared.starts:  # an entry sits at its group start; one table per ratio and pass
+            shared.starts[ratio] = rope_angles(pos - (ratio - 1), self.compress_freqs(pos.device))
+        start = shared.starts[ratio]
 
         def attach(x, q_res):
             if role == "full":
                 latent = self.pooled(w, c, f"layer{i}.state", ratio, d.head_dim, kind, x, pos, io)
-                shared.keys[i] = self.entries(io, caches, f"layer{i}.compressed", rope(latent, *start), ratio,
+                shared.keys[i] = self.entries(io, caches, f"layer{i}.compressed", rope(latent, start), ratio,
                                               d.compressed_format, ENTRY_POOL)
                 if kind == "csa":  # V4: the indexer pools its own keys
                     pooled = self.pooled(w, c + "indexer.", f"layer{i}.index_state", ratio, d.index_head_dim, kind, x,
                                          pos, io)
-                    index_keys = rope(pooled, *start)
+                    index_keys = rope(pooled, start)
                 elif not d.v4:  # V4.1: index keys are a projection of the entry's latent
                     ic = c + "indexer."
                     index_keys = rope(rms_norm(F.linear(latent, w[ic + "k_proj.weight"]), w[ic + "k_norm.weight"], d.eps),
-                                      *start)
+                                      start)
                 else:
                     index_keys = None
                 if index_keys is not None:
@@ -171,9 +177,8 @@ class DeepSeekCompute(torch.nn.Module):
         """
         d = self.d
         R, T = pos.shape
-        cos, sin = compress
         q = F.linear(q_res, w[c + "q_b_proj.weight"]).view(R, T, d.index_heads, d.index_head_dim)
-        q = rope(q, cos[:, :, None], sin[:, :, None])
+        q = rope(q, compress.heads())
         head_weights = F.linear(x, w[c + "scorer.weights_proj.weight"]) * d.index_heads ** -0.5
         index_cache, new_keys = shared.index_keys[source]
         keys = (q, head_weights, index_cache, new_keys, block_table, pos[:, 0])

@@ -53,14 +53,14 @@ class MtpDrafter(DraftStages):
     def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
         """Window rows for this pass's positions (the layer's kv only) and the streams commit keeps."""
         d = self.d
-        main, _ = self.c.angles(pos)
+        main = self.c.angles(pos)
         for s in range(d.draft_stages):
             p = f"mtp.{s}."
             prev = torch.cat([self.stored_streams(caches, row_ids, s), streams[:, :-1]], dim=1)
             _, _, collapsed = hc_mix(w, p + "attn_hc.", self.mtp_input(w, p, tokens, prev), d.hc_iters, d.hc_eps, d.eps)
             x = rms_norm(collapsed, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
-            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), *main)
+            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
             io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
             io.rows(f"draft{s}.hidden", f"draft{s}.hidden", streams.flatten(-2), STATE_FORMAT, last_only=True)
 
@@ -82,7 +82,7 @@ class MtpDrafter(DraftStages):
                 keys.append(ops.round_trip(kv, d.window_format))
                 return torch.cat(keys, dim=1), torch.cat([key_pos, pos], dim=1)
 
-            main, _ = c.angles(pos)
+            main = c.angles(pos)
             prev = c.layer(w, "mtp.0.", self.mtp_input(w, "mtp.0.", token, prev), token, pos, main, window_keys, d.moe,
                            min_pos=1)
             key_pos = torch.cat([key_pos, pos], dim=1)

@@ -34,7 +34,8 @@ class DeepSeekPass(DeepSeekCompute):
     def target(self, w, io, caches, tokens, pos, row_ids):
         """All target layers; returns the logits, the final streams and each layer's streams."""
         d = self.d
-        main, compress = self.angles(pos)
+        main = self.angles(pos)
+        compress = self.compress_angles(pos) if any(d.ratios) else None
         x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         shared, taps = Shared(), {}
