@@ -70,6 +70,12 @@ class Rotation:
             self._heads = Rotation(self.cos[:, :, None], self.sin[:, :, None])
         return self._heads
 
+    def with_views(self) -> "Rotation":
+        """This rotation, its heads and inverse views built now: made before the layers rather
+        than in whichever reads them first, so that layers traced once and copied share them."""
+        self.heads().inverse()
+        return self
+
     def inverse(self) -> "Rotation":
         """The rotation by minus the angles."""
         if self._inverse is None:

@@ -39,6 +39,10 @@ class StagedIO:
         keys = ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
         return keys, _key_positions(self.positions, d.history, kv.shape[1])
 
+    def owned(self, name: str) -> list[torch.Tensor]:
+        """The buffers behind cache `name`: the cache, then its staging."""
+        return [self.caches[f"cache.{name}"], self.staging[f"staging.{self.pass_name}.{name}"]]
+
     def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
         prev = ops.gather_rows(self.caches[f"cache.{name}"], self.row_ids, _before(self.positions, span - 1),
                                rows.shape[-1], STATE_FORMAT)
@@ -75,6 +79,10 @@ class DirectIO:
         new = ops.round_trip(kv, d.window_format)
         ops.write_rows(ring, kv, self.row_ids, self.pos % d.history, self.valid, d.window_format)
         return torch.cat([history, new], dim=1), _key_positions(self.positions, seen, kv.shape[1])
+
+    def owned(self, name: str) -> list[torch.Tensor]:
+        """The buffers behind cache `name`."""
+        return [self.caches[f"cache.{name}"]]
 
     def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
         cache = self.caches[f"cache.{name}"]

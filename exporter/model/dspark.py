@@ -41,13 +41,14 @@ class DSparkDrafter(DraftStages):
         row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
         io = StagedIO(d, caches, staging, row_ids, positions, "draft", {})
         pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
-        main = c.angles(pos)
+        main = c.angles(pos).with_views()
         x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         for s in range(d.draft_stages):
-            streams = c.layer(w, f"mtp.{s}.", streams, tokens, pos, main,
-                              lambda kv, s=s: io.window(f"draft{s}", kv), d.draft_moe,
-                              block_from=d.history)
+            def attention(streams, s=s):
+                return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(f"draft{s}", kv),
+                                   block_from=d.history)
+            streams = c.ffn(w, f"mtp.{s}.", c.run_stage(s, w, io, streams, attention), tokens, d.draft_moe)
         logits, h = c.logits(w, "dspark.", streams)
         confidence = torch.sigmoid(F.linear(h, w["dspark.confidence.weight"], w["dspark.confidence.bias"]))[..., 0]
         rows, prev = [], tokens[:, 0]

@@ -18,20 +18,28 @@ import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model.blocks import (grouped_out, hc_head, hc_merge, hc_mix, inv_freq, moe, pool, rms_norm, rope,
                                                   rope_angles, unit_rms_norm)
+from b12x_toolchain.exporter.model.buffers import owned_caches
 from b12x_toolchain.exporter.model.cache_io import _before
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.package.kinds import KINDS
 
 ENTRY_POOL, INDEX_POOL = KINDS["compressed_entries"].pool, KINDS["index_keys"].pool
+FFN_PARTS = ("ffn_hc.", "post_attention_layernorm.", "mlp.")  # a layer's weights read by its MoE half
 
 
 class Shared:
     """What compressed layers hand on within one pass: entries by kv source, choices by index source,
     RoPE tables by ratio."""
 
+    HANDOVERS = ("keys", "index_keys", "candidates", "chosen")  # by layer; what a layer may read or write
+
     def __init__(self):
         self.keys, self.index_keys, self.candidates, self.chosen = {}, {}, {}, {}
         self.starts = {}  # compress ratio -> the RoPE at each pass row's group start
+
+    def entries(self) -> dict:
+        """(hand-over, layer) -> value, as things stand."""
+        return {(name, layer): value for name in self.HANDOVERS for layer, value in getattr(self, name).items()}
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class DeepSeekCompute(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
         self.d = d
+        self.copies = None  # a LayerCopies while a capture copies repeated layers instead of tracing them
 
     # -- positions ----------------------------------------------------------------------
 
@@ -70,7 +79,13 @@ class DeepSeekCompute(torch.nn.Module):
 
     def layer(self, w, p, streams, tokens, pos, angles, window_keys, moe_dims, *, min_pos=0, block_from=None,
               compressed=None):
-        """Attention then MoE on the streams [R,T,N,D], each through mHC.
+        """Attention then MoE on the streams [R,T,N,D], each through mHC."""
+        streams = self.attention(w, p, streams, pos, angles, window_keys, min_pos=min_pos, block_from=block_from,
+                                 compressed=compressed)
+        return self.ffn(w, p, streams, tokens, moe_dims)
+
+    def attention(self, w, p, streams, pos, angles, window_keys, *, min_pos=0, block_from=None, compressed=None):
+        """The attention half of a layer, through mHC.
 
         window_keys(kv) -> (keys, key positions); keys from index `block_from` on are a
         non-causal block (DSpark), visible to every row of it.
@@ -99,15 +114,87 @@ class DeepSeekCompute(torch.nn.Module):
             out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], e.cache, e.new, e.block_table, e.positions,
                                        e.indices, e.ratio, e.fmt)
         out = rope(out, angles.heads().inverse())  # K = V carried RoPE into the output
-        streams = hc_merge(post, comb, grouped_out(w, a, out.flatten(2), d.o_groups), streams)
-        post, comb, collapsed = hc_mix(w, p + "ffn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
-        y = moe(w, p + "mlp.", rms_norm(collapsed, w[p + "post_attention_layernorm.weight"], d.eps), tokens, moe_dims)
-        return hc_merge(post, comb, y, streams)
+        return hc_merge(post, comb, grouped_out(w, a, out.flatten(2), d.o_groups), streams)
+
+    def ffn(self, w, p, streams, tokens, moe_dims):
+        """The MoE half of a layer, through mHC; while capturing with copies, traced once per
+        kind of MoE (hash or routed, and its dimensions) and copied for the others."""
+        d = self.d
+
+        def body(streams):
+            post, comb, collapsed = hc_mix(w, p + "ffn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
+            y = moe(w, p + "mlp.", rms_norm(collapsed, w[p + "post_attention_layernorm.weight"], d.eps), tokens,
+                    moe_dims)
+            return hc_merge(post, comb, y, streams)
+
+        if self.copies is None:
+            return body(streams)
+        names, own = self.own_buffers(w, None, p, [], ffn=True)
+        # The tokens are an input: a draft step's differ from the step before (hash routing reads them).
+        outputs, _ = self.copies.run(("ffn", repr(moe_dims), tuple(names)), [streams, tokens, *own],
+                                     lambda: ([body(streams)], None))
+        return outputs[0]
 
     def logits(self, w, p, streams):
         d = self.d
         h = rms_norm(hc_head(w, p, streams, d.hc_eps, d.eps), w[p + "norm.weight"], d.eps)
         return F.linear(h, w["lm_head.weight"]), h
+
+    # -- a target layer, traced once per kind while capturing -----------------------------
+
+    def links(self, i: int) -> dict[str, int]:
+        """The layers whose hand-overs layer i reads or writes, by relation."""
+        d = self.d
+        return {"self": i} if d.v4 else {"self": i, "kv": d.kv_source[i], "index": d.index_source[i]}
+
+    def layer_key(self, i: int) -> tuple:
+        """Everything layer i's code branches on besides its buffers' names and shapes."""
+        d, links = self.d, self.links(i)
+        same = tuple(a == b for a in links.values() for b in links.values())
+        return d.ratios[i], d.kind(i), d.role(i), i > d.candidate_source, i == d.candidate_source, same
+
+    @staticmethod
+    def own_buffers(w, io, prefix: str, caches: list[str], ffn: bool) -> tuple[list[str], list[torch.Tensor]]:
+        """A half layer's own weights (by name below the layer's prefix; the MoE half's or the
+        rest) and cache buffers, in a fixed order."""
+        names = sorted(name for name in w if name.startswith(prefix) and name[len(prefix):].startswith(FFN_PARTS) == ffn)
+        tensors = [w[name] for name in names] + [t for cache in caches for t in io.owned(cache)]
+        return [name[len(prefix):] for name in names], tensors
+
+    def run_stage(self, s, w, io, streams, body):
+        """body(streams) -> draft stage s's attention half; while capturing with copies, traced
+        for the first stage only (the stages differ in weights and window ring alone)."""
+        if self.copies is None:
+            return body(streams)
+        names, own = self.own_buffers(w, io, f"mtp.{s}.", [f"draft{s}.window"], ffn=False)
+        outputs, _ = self.copies.run(("draft stage", tuple(names)), [streams, *own], lambda: ([body(streams)], None))
+        return outputs[0]
+
+    def run_layer(self, i, w, io, shared: Shared, streams, body):
+        """body(streams) -> target layer i's attention half. While capturing with copies, the body
+        is traced for the first layer of its kind only; every hand-over it reads and writes is an
+        input or an output, named by relation so that a copy finds its own."""
+        if self.copies is None:
+            return body(streams)
+        links = self.links(i)
+        entries = shared.entries()
+        reads = [(name, rel) for name in Shared.HANDOVERS for rel, layer in links.items() if (name, layer) in entries]
+        read_values = [entries[(name, links[rel])] for name, rel in reads]
+        names, own = self.own_buffers(w, io, f"model.layers.{i}.", [c.name for c in owned_caches(self.d, i)], ffn=False)
+        key = (self.layer_key(i), tuple(reads), tuple(map(_arity, read_values)), tuple(names))
+
+        def traced():
+            out = body(streams)
+            writes = [(name, layer, value) for (name, layer), value in shared.entries().items()
+                      if entries.get((name, layer)) is not value]
+            note = [(name, _relation(links, layer, i), _arity(value)) for name, layer, value in writes]
+            return [out, *_flat(value for *_, value in writes)], note
+
+        outputs, note = self.copies.run(key, [streams, *_flat(read_values), *own], traced)
+        rest = iter(outputs[1:])
+        for name, rel, arity in note:
+            getattr(shared, name)[links[rel]] = tuple(next(rest) for _ in range(arity)) if arity else next(rest)
+        return outputs[0]
 
     # -- compressed entries -----------------------------------------------------------------
 
@@ -187,3 +274,19 @@ class DeepSeekCompute(torch.nn.Module):
             shared.candidates[source] = ops.candidate_blocks(*keys, ratio, d.candidate_block_size, d.candidate_blocks,
                                                              d.index_format)
         return ops.indexer_topk(*keys, candidates, ratio, d.candidate_block_size, d.index_topk, d.index_format)
+
+
+def _arity(value) -> int:
+    """0 for a tensor, the length for a tuple of tensors."""
+    return len(value) if isinstance(value, tuple) else 0
+
+
+def _flat(values) -> list[torch.Tensor]:
+    return [t for value in values for t in (value if isinstance(value, tuple) else (value,))]
+
+
+def _relation(links: dict, layer: int, i: int) -> str:
+    for rel, linked in links.items():
+        if linked == layer:
+            return rel
+    raise ValueError(f"layer {i} hands on an entry of layer {layer}, which is none of its links {links}")

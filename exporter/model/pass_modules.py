@@ -34,17 +34,19 @@ class DeepSeekPass(DeepSeekCompute):
     def target(self, w, io, caches, tokens, pos, row_ids):
         """All target layers; returns the logits, the final streams and each layer's streams."""
         d = self.d
-        main = self.angles(pos)
-        compress = self.compress_angles(pos) if any(d.ratios) else None
+        main = self.angles(pos).with_views()
+        compress = self.compress_angles(pos).with_views() if any(d.ratios) else None
         x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         shared, taps = Shared(), {}
         for i, ratio in enumerate(d.ratios):
             compressed = self.compressed_keys(w, i, io, caches, row_ids, pos, shared, compress) if ratio else None
-            streams = self.layer(w, f"model.layers.{i}.", streams, tokens, pos, compress if ratio else main,
-                                 lambda kv, i=i: io.window(f"layer{i}", kv), d.moe,
-                                 compressed=compressed)
-            taps[i] = streams
+
+            def attention(streams, i=i, ratio=ratio, compressed=compressed):
+                return self.attention(w, f"model.layers.{i}.", streams, pos, compress if ratio else main,
+                                      lambda kv: io.window(f"layer{i}", kv), compressed=compressed)
+            streams = self.run_layer(i, w, io, shared, streams, attention)
+            streams = taps[i] = self.ffn(w, f"model.layers.{i}.", streams, tokens, d.moe)
         logits, _ = self.logits(w, "model.", streams)
         return logits, streams, taps
 
