@@ -25,6 +25,14 @@ from b12x_toolchain.runtime.package.kinds import KINDS
 
 ENTRY_POOL, INDEX_POOL = KINDS["compressed_entries"].pool, KINDS["index_keys"].pool
 FFN_PARTS = ("ffn_hc.", "post_attention_layernorm.", "mlp.")  # a layer's weights read by its MoE half
+# What a layer reads of earlier layers' hand-overs, by role, as (hand-over, link): what
+# `compressed_keys` reads, where it is there. A capture refuses a layer that reads more.
+READS = {
+    "window": (),
+    "full": (("candidates", "kv"),),
+    "reindex": (("keys", "kv"), ("index_keys", "kv"), ("candidates", "kv")),
+    "reuse": (("keys", "kv"), ("chosen", "index")),
+}
 
 
 class Shared:
@@ -148,10 +156,9 @@ class DeepSeekCompute(torch.nn.Module):
         return {"self": i} if d.v4 else {"self": i, "kv": d.kv_source[i], "index": d.index_source[i]}
 
     def layer_key(self, i: int) -> tuple:
-        """Everything layer i's code branches on besides its buffers' names and shapes."""
-        d, links = self.d, self.links(i)
-        same = tuple(a == b for a in links.values() for b in links.values())
-        return d.ratios[i], d.kind(i), d.role(i), i > d.candidate_source, i == d.candidate_source, same
+        """Everything layer i's code branches on besides its buffers and hand-overs."""
+        d = self.d
+        return d.ratios[i], d.kind(i), d.role(i), i > d.candidate_source, i == d.candidate_source
 
     @staticmethod
     def own_buffers(w, io, prefix: str, caches: list[str], ffn: bool) -> tuple[list[str], list[torch.Tensor]]:
@@ -178,7 +185,7 @@ class DeepSeekCompute(torch.nn.Module):
             return body(streams)
         links = self.links(i)
         entries = shared.entries()
-        reads = [(name, rel) for name in Shared.HANDOVERS for rel, layer in links.items() if (name, layer) in entries]
+        reads = [(name, rel) for name, rel in READS[self.d.role(i)] if rel in links and (name, links[rel]) in entries]
         read_values = [entries[(name, links[rel])] for name, rel in reads]
         names, own = self.own_buffers(w, io, f"model.layers.{i}.", [c.name for c in owned_caches(self.d, i)], ffn=False)
         key = (self.layer_key(i), tuple(reads), tuple(map(_arity, read_values)), tuple(names))

@@ -16,6 +16,7 @@ inputs and tables, and symbolic sizes. Anything else it reads must be among its 
 
 from __future__ import annotations
 
+import collections
 import operator
 import re
 from contextlib import contextmanager
@@ -148,7 +149,7 @@ def stitch(program: torch.export.ExportedProgram) -> int:
                 if x in stand_ins or x in inside or x in layer_inputs:
                     raise StitchError(f"layer template {tag}: node {node.name} reads {x.name}, which belongs to "
                                       f"another layer and is not among the template's inputs")
-    renamed = {}
+    replaced = {}  # a stub output's name -> the name of the copied node standing for it
     for stub in copies:
         tag = stub.args[1]
         env = {}
@@ -171,14 +172,16 @@ def stitch(program: torch.export.ExportedProgram) -> int:
             if user.target is not operator.getitem:
                 raise StitchError(f"layer copy {stub.name} is read by {user.name}, not through its outputs")
             value = env.get(made[user.args[1]], made[user.args[1]])
-            renamed[user.name] = value.name
+            replaced[user.name] = value.name
             user.replace_all_uses_with(value)
             graph.erase_node(user)
         graph.erase_node(stub)
     for node in (*begins.values(), *ends.values()):
         graph.erase_node(node)
+    renamed = _renumber(graph)
     for spec in program.graph_signature.output_specs:
         name = getattr(spec.arg, "name", None)
+        name = replaced.get(name, name)
         if name in renamed:
             spec.arg.name = renamed[name]
     for node in graph.nodes:
@@ -187,3 +190,29 @@ def stitch(program: torch.export.ExportedProgram) -> int:
     graph.lint()
     program.graph_module.recompile()
     return len(copies)
+
+
+def _renumber(graph: torch.fx.Graph) -> dict[str, str]:
+    """Name the op nodes by kind and place (add, add_1, ... in graph order), as one trace of the
+    whole pass would: the names, and so the package bytes, do not depend on which layers were
+    traced and which copied. Returns old name -> new name."""
+    taken = {node.name for node in graph.nodes if node.op != "call_function"}
+    counts, renamed = collections.Counter(), {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        base = _base_name(node)
+        while True:
+            k = counts[base]
+            counts[base] += 1
+            name = base if k == 0 else f"{base}_{k}"
+            if name not in taken:
+                break
+        renamed[node.name] = name
+    namespace = torch.fx.graph._Namespace()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.name = renamed[node.name]
+        namespace.create_name(node.name, node)
+    graph._graph_namespace = namespace
+    return renamed
