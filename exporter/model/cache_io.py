@@ -29,15 +29,18 @@ class StagedIO:
         self.d, self.caches, self.staging, self.block_tables = d, caches, staging, block_tables
         self.row_ids, self.positions, self.pass_name = row_ids, positions, pass_name
 
-    def window(self, owner: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [R, history + T, D]: the whole snapshot (commit copies from it), then kv; and their positions."""
+    def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
+        """Keys [R, history + T, D]: the whole snapshot (commit copies from it), then kv."""
         d = self.d
         stage = self.staging[f"staging.{self.pass_name}.{owner}.window"]
         ops.window_snapshot(self.caches[f"cache.{owner}.window"], stage, self.row_ids, self.positions,
                             d.history, d.layout, d.page_size)
         ops.cache_append(stage, kv, d.history, d.layout, d.page_size, d.window_format)
-        keys = ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
-        return keys, _key_positions(self.positions, d.history, kv.shape[1])
+        return ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
+
+    def key_positions(self, width: int) -> torch.Tensor:
+        """[R, history + width]: the positions of the keys `window` returns."""
+        return _key_positions(self.positions, self.d.history, width)
 
     def owned(self, name: str) -> list[torch.Tensor]:
         """The buffers behind cache `name`: the cache, then its staging."""
@@ -69,16 +72,21 @@ class DirectIO:
         self.pos = positions.long()[:, None] + self.offsets
         self.valid = self.offsets[None, :] < lengths.long()[:, None]
         self.end = positions.long() + lengths.long()
+        self.seen = min(d.history, d.window - 1)  # ring rows a pass reads before its own
 
-    def window(self, owner: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
         """Keys: the ring rows the first query can still see (window - 1 of them, no more than
-        the ring holds; older rows are outside every query's window), then kv; and their positions."""
+        the ring holds; older rows are outside every query's window), then kv."""
         d = self.d
-        ring, seen = self.caches[f"cache.{owner}.window"], min(d.history, d.window - 1)
-        history = ops.gather_rows(ring, self.row_ids, _before(self.positions, seen), d.head_dim, d.window_format)
+        ring = self.caches[f"cache.{owner}.window"]
+        history = ops.gather_rows(ring, self.row_ids, _before(self.positions, self.seen), d.head_dim, d.window_format)
         new = ops.round_trip(kv, d.window_format)
         ops.write_rows(ring, kv, self.row_ids, self.pos % d.history, self.valid, d.window_format)
-        return torch.cat([history, new], dim=1), _key_positions(self.positions, seen, kv.shape[1])
+        return torch.cat([history, new], dim=1)
+
+    def key_positions(self, width: int) -> torch.Tensor:
+        """[R, seen + width]: the positions of the keys `window` returns."""
+        return _key_positions(self.positions, self.seen, width)
 
     def owned(self, name: str) -> list[torch.Tensor]:
         """The buffers behind cache `name`."""

@@ -44,10 +44,10 @@ class DSparkDrafter(DraftStages):
         main = c.angles(pos).with_views()
         x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
+        visible = c.visible(pos, io.key_positions(d.draft_width), block_from=d.history)
         for s in range(d.draft_stages):
             def attention(streams, s=s):
-                return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(f"draft{s}", kv),
-                                   block_from=d.history)
+                return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(f"draft{s}", kv), visible)
             streams = c.ffn(w, f"mtp.{s}.", c.run_stage(s, w, io, streams, attention), tokens, d.draft_moe)
         logits, h = c.logits(w, "dspark.", streams)
         confidence = torch.sigmoid(F.linear(h, w["dspark.confidence.weight"], w["dspark.confidence.bias"]))[..., 0]

@@ -85,19 +85,24 @@ class DeepSeekCompute(torch.nn.Module):
 
     # -- one layer -------------------------------------------------------------------------
 
-    def layer(self, w, p, streams, tokens, pos, angles, window_keys, moe_dims, *, min_pos=0, block_from=None,
-              compressed=None):
+    def layer(self, w, p, streams, tokens, pos, angles, window_keys, visible, moe_dims, compressed=None):
         """Attention then MoE on the streams [R,T,N,D], each through mHC."""
-        streams = self.attention(w, p, streams, pos, angles, window_keys, min_pos=min_pos, block_from=block_from,
-                                 compressed=compressed)
+        streams = self.attention(w, p, streams, pos, angles, window_keys, visible, compressed)
         return self.ffn(w, p, streams, tokens, moe_dims)
 
-    def attention(self, w, p, streams, pos, angles, window_keys, *, min_pos=0, block_from=None, compressed=None):
-        """The attention half of a layer, through mHC.
+    def visible(self, pos, key_pos, *, min_pos=0, block_from=None):
+        """[R, T, S]: the keys at `key_pos` [R, S] each query row at `pos` [R, T] sees. Keys from
+        index `block_from` on are a non-causal block (DSpark), visible to every row of it.
+        The same for every layer of a pass, so a pass builds it once."""
+        d = self.d
+        kp, qp = key_pos[:, None, :], pos[:, :, None]
+        ordered = kp <= qp
+        if block_from is not None:
+            ordered = ordered | (torch.arange(key_pos.shape[1], device=pos.device) >= block_from)[None, None, :]
+        return (kp > qp - d.window) & (kp >= min_pos) & ordered
 
-        window_keys(kv) -> (keys, key positions); keys from index `block_from` on are a
-        non-causal block (DSpark), visible to every row of it.
-        """
+    def attention(self, w, p, streams, pos, angles, window_keys, visible, compressed=None):
+        """The attention half of a layer, through mHC; window_keys(kv) -> the keys `visible` masks."""
         d = self.d
         R, T = pos.shape
         post, comb, collapsed = hc_mix(w, p + "attn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
@@ -109,12 +114,7 @@ class DeepSeekCompute(torch.nn.Module):
             q = unit_rms_norm(q, d.eps)
         q = rope(q, angles.heads())
         kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), angles)
-        keys, key_pos = window_keys(kv)
-        kp, qp = key_pos[:, None, :], pos[:, :, None]
-        ordered = kp <= qp
-        if block_from is not None:
-            ordered = ordered | (torch.arange(keys.shape[1], device=pos.device) >= block_from)[None, None, :]
-        visible = (kp > qp - d.window) & (kp >= min_pos) & ordered
+        keys = window_keys(kv)
         if compressed is None:  # window only; the block table and positions are not read without entries
             out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], None, None, pos[:, 0], pos[:, 0], None, 1, "fp32")
         else:

@@ -78,14 +78,14 @@ class MtpDrafter(DraftStages):
         for j in range(d.draft_width):
             pos = positions.long()[:, None] + j
 
-            def window_keys(kv, pos=pos):
+            def window_keys(kv):
                 keys.append(ops.round_trip(kv, d.window_format))
-                return torch.cat(keys, dim=1), torch.cat([key_pos, pos], dim=1)
+                return torch.cat(keys, dim=1)
 
             main = c.angles(pos)
-            prev = c.layer(w, "mtp.0.", self.mtp_input(w, "mtp.0.", token, prev), token, pos, main, window_keys, d.moe,
-                           min_pos=1)
             key_pos = torch.cat([key_pos, pos], dim=1)
+            prev = c.layer(w, "mtp.0.", self.mtp_input(w, "mtp.0.", token, prev), token, pos, main, window_keys,
+                           c.visible(pos, key_pos, min_pos=1), d.moe)
             step, _ = c.logits(w, "mtp.0.", prev)
             logits.append(step)
             token = step.argmax(dim=-1)

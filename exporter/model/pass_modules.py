@@ -39,12 +39,13 @@ class DeepSeekPass(DeepSeekCompute):
         x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         shared, taps = Shared(), {}
+        visible = self.visible(pos, io.key_positions(pos.shape[1]))
         for i, ratio in enumerate(d.ratios):
             compressed = self.compressed_keys(w, i, io, caches, row_ids, pos, shared, compress) if ratio else None
 
             def attention(streams, i=i, ratio=ratio, compressed=compressed):
                 return self.attention(w, f"model.layers.{i}.", streams, pos, compress if ratio else main,
-                                      lambda kv: io.window(f"layer{i}", kv), compressed=compressed)
+                                      lambda kv: io.window(f"layer{i}", kv), visible, compressed)
             streams = self.run_layer(i, w, io, shared, streams, attention)
             streams = taps[i] = self.ffn(w, f"model.layers.{i}.", streams, tokens, d.moe)
         logits, _ = self.logits(w, "model.", streams)
