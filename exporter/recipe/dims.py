@@ -76,6 +76,9 @@ class Dims:
     markov_rank: int = 0
     confidence_threshold: float = 0.0
     draft_moe: MoeDims | None = None
+    # The parallel mapping (exporter/recipe/parallel.py); 1, 1 on one device.
+    tensor: int = 1
+    expert: int = 1
 
     @classmethod
     def from_recipe(cls, recipe) -> "Dims":
@@ -96,6 +99,8 @@ class Dims:
             hc_mult=m.hyper_connections.mult, hc_iters=m.hyper_connections.sinkhorn_iters,
             hc_eps=m.hyper_connections.eps, moe=MoeDims.from_spec(m.moe),
         )
+        if recipe.parallel is not None:
+            common.update(tensor=recipe.parallel.tensor, expert=recipe.parallel.expert)
         if m.family == "deepseek_v4":
             return cls(**common, csa_ratio=m.csa_ratio, hca_ratio=m.hca_ratio)
         roles, kv_source, index_source = _csa2_roles(m.target_ratios, m.csa2)
@@ -110,6 +115,10 @@ class Dims:
     @property
     def v4(self) -> bool:
         return self.family == "deepseek_v4"
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tensor, self.expert)
 
     @property
     def layers(self) -> int:

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic import ValidationError, model_validator
 
 from b12x_toolchain.exporter.recipe.schema import V4ModelSpec, V41ModelSpec
+from b12x_toolchain.exporter.recipe.parallel import ParallelSpec
 from b12x_toolchain.exporter.recipe.field_types import (Buckets, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
                                         format_key_path)
 from b12x_toolchain.runtime.formats.codecs import renamed
@@ -153,6 +154,7 @@ class Recipe(_Spec):
     cache: CacheSpec
     passes: Passes
     rewrites: tuple[RewriteSpec, ...] = ()
+    parallel: ParallelSpec | None = None  # None: one device
 
     @property
     def pass_names(self) -> tuple[str, ...]:
@@ -170,6 +172,8 @@ class Recipe(_Spec):
             raise _problem(f"{self.passes.prefill.chunk} is larger than cache.history = {self.cache.history}",
                            ("passes", "prefill", "chunk"))
         self._check_pages()
+        if self.parallel is not None:
+            self.parallel.check(self.model)
         for i, rewrite in enumerate(self.rewrites):
             if any(r.name == rewrite.name for r in self.rewrites[:i]):
                 raise _problem(f"rewrite {rewrite.name!r} is listed twice", ("rewrites", i, "name"))
@@ -227,6 +231,8 @@ class Recipe(_Spec):
         for name in OPTIONAL_PASSES:
             if data["passes"].get(name) is None:
                 data["passes"].pop(name, None)
+        if data.get("parallel") is None:  # likewise a recipe for one device
+            data.pop("parallel", None)
         return _sort_keys(data)
 
     def sha256(self) -> str:
