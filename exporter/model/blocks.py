@@ -151,10 +151,12 @@ def _swiglu(gate, up, limit):
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def moe(w, m, x, tokens, v):
+def moe(w, m, x, tokens, v, mesh=None):
     """Routed experts (dense over experts, weights zero where not routed) plus shared ones.
 
-    x [R,T,D]; hash layers take their experts from the token-id table `tid2eid`.
+    x [R,T,D]; hash layers take their experts from the token-id table `tid2eid`. Across
+    ranks (`mesh`, parallel.py) every rank routes over all experts and computes its own
+    experts, or its slice of each; the sum over ranks is the output.
     """
     scores = SCORING[v.scoring](F.linear(x, w[m + "gate.weight"]))
     if m + "gate.tid2eid" in w:
@@ -164,14 +166,21 @@ def moe(w, m, x, tokens, v):
     picked = scores.gather(-1, chosen)
     picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20) * v.routed_scaling
     weights = torch.zeros_like(scores).scatter(-1, chosen, picked)  # [R,T,E]
+    local = None if mesh is None else mesh.experts(weights.shape[-1])
+    if local is not None:
+        weights = weights[..., local]
     gate_up = torch.einsum("rtd,eod->rteo", x, w[m + "experts.gate_up_proj"])
     gate, up = gate_up.chunk(2, dim=-1)
     routed = torch.einsum("rtei,edi,rte->rtd", _swiglu(gate, up, v.swiglu_limit), w[m + "experts.down_proj"], weights)
     if m + "shared_experts.gate_proj.weight" not in w:
-        return routed
+        return routed if mesh is None else mesh.reduce(routed)
     s = m + "shared_experts."
     shared = _swiglu(F.linear(x, w[s + "gate_proj.weight"]), F.linear(x, w[s + "up_proj.weight"]), v.swiglu_limit)
-    return routed + F.linear(shared, w[s + "down_proj.weight"])
+    shared = F.linear(shared, w[s + "down_proj.weight"])
+    if mesh is None or mesh.world_size == 1:
+        return routed + shared
+    # Split by tensor parallelism, shared experts are summed over ranks too; whole on every rank, once.
+    return mesh.reduce(routed + shared) if mesh.tensor > 1 else mesh.reduce(routed) + shared
 
 
 # --- compressor pooling ------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.model.weights import weight_specs as weight_shapes_dtypes
+from b12x_toolchain.exporter.model.parallel import rank_weight_specs as weight_shapes_dtypes
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import BufferInfo, CachePages, PageSpec
 from b12x_toolchain.runtime.package.kinds import KINDS, block_table_kind

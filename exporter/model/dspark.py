@@ -42,7 +42,7 @@ class DSparkDrafter(DraftStages):
         io = StagedIO(d, caches, staging, row_ids, positions, "draft", {})
         pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
         main = c.angles(pos).with_views()
-        x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
+        x = c.embed(w, tokens)
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         visible = c.visible(pos, io.key_positions(d.draft_width), block_from=d.history)
         for s in range(d.draft_stages):

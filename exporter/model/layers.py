@@ -20,6 +20,7 @@ from b12x_toolchain.exporter.model.blocks import (grouped_out, hc_head, hc_merge
                                                   rope_angles, unit_rms_norm)
 from b12x_toolchain.exporter.model.buffers import owned_caches
 from b12x_toolchain.exporter.model.cache_io import _before
+from b12x_toolchain.exporter.model.parallel import Mesh
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.package.kinds import KINDS
 
@@ -64,9 +65,10 @@ class Entries:
 
 
 class DeepSeekCompute(torch.nn.Module):
-    def __init__(self, d):
+    def __init__(self, d, rank: int = 0):
         super().__init__()
         self.d = d
+        self.mesh = Mesh.of(d, rank)
         self.copies = None  # a LayerCopies while a capture copies repeated layers instead of tracing them
 
     # -- positions ----------------------------------------------------------------------
@@ -109,7 +111,7 @@ class DeepSeekCompute(torch.nn.Module):
         x = rms_norm(collapsed, w[p + "input_layernorm.weight"], d.eps)
         a = p + "self_attn."
         q_res = rms_norm(F.linear(x, w[a + "q_a_proj.weight"]), w[a + "q_a_norm.weight"], d.eps)
-        q = F.linear(q_res, w[a + "q_b_proj.weight"]).view(R, T, d.heads, d.head_dim)
+        q = F.linear(q_res, w[a + "q_b_proj.weight"]).view(R, T, d.heads // d.tensor, d.head_dim)  # this rank's heads
         if d.v4:  # V4 normalises each query head; V4.1 does not
             q = unit_rms_norm(q, d.eps)
         q = rope(q, angles.heads())
@@ -122,7 +124,8 @@ class DeepSeekCompute(torch.nn.Module):
             out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], e.cache, e.new, e.block_table, e.positions,
                                        e.indices, e.ratio, e.fmt)
         out = rope(out, angles.heads().inverse())  # K = V carried RoPE into the output
-        return hc_merge(post, comb, grouped_out(w, a, out.flatten(2), d.o_groups), streams)
+        out = self.mesh.tensor_sum(grouped_out(w, a, out.flatten(2), d.o_groups // d.tensor))  # row-parallel O
+        return hc_merge(post, comb, out, streams)
 
     def ffn(self, w, p, streams, tokens, moe_dims):
         """The MoE half of a layer, through mHC; while capturing with copies, traced once per
@@ -132,7 +135,7 @@ class DeepSeekCompute(torch.nn.Module):
         def body(streams):
             post, comb, collapsed = hc_mix(w, p + "ffn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
             y = moe(w, p + "mlp.", rms_norm(collapsed, w[p + "post_attention_layernorm.weight"], d.eps), tokens,
-                    moe_dims)
+                    moe_dims, self.mesh)
             return hc_merge(post, comb, y, streams)
 
         if self.copies is None:
@@ -146,7 +149,10 @@ class DeepSeekCompute(torch.nn.Module):
     def logits(self, w, p, streams):
         d = self.d
         h = rms_norm(hc_head(w, p, streams, d.hc_eps, d.eps), w[p + "norm.weight"], d.eps)
-        return F.linear(h, w["lm_head.weight"]), h
+        return self.mesh.gather_last(F.linear(h, w["lm_head.weight"])), h
+
+    def embed(self, w, tokens):
+        return self.mesh.embed(tokens, w["model.embed_tokens.weight"])
 
     # -- a target layer, traced once per kind while capturing -----------------------------
 

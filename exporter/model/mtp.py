@@ -40,7 +40,7 @@ class MtpDrafter(DraftStages):
 
     def mtp_input(self, w, p, tokens, prev_streams):
         d = self.d
-        e = rms_norm(F.embedding(tokens.long(), w["model.embed_tokens.weight"]), w[p + "enorm.weight"], d.eps)
+        e = rms_norm(self.c.embed(w, tokens), w[p + "enorm.weight"], d.eps)
         h = rms_norm(prev_streams, w[p + "hnorm.weight"], d.eps)
         return F.linear(e, w[p + "e_proj.weight"])[:, :, None, :] + F.linear(h, w[p + "h_proj.weight"])
 

@@ -27,8 +27,8 @@ class DeepSeekPass(DeepSeekCompute):
     advances = None  # the row input whose counts move the committed length (None: staging only)
     reads_staging_of = None  # the pass whose staging this one makes persistent
 
-    def __init__(self, d):
-        super().__init__(d)
+    def __init__(self, d, rank: int = 0):
+        super().__init__(d, rank)
         self.drafter = (MtpDrafter if d.v4 else DSparkDrafter)(d, self)
 
     def target(self, w, io, caches, tokens, pos, row_ids):
@@ -36,7 +36,7 @@ class DeepSeekPass(DeepSeekCompute):
         d = self.d
         main = self.angles(pos).with_views()
         compress = self.compress_angles(pos).with_views() if any(d.ratios) else None
-        x = F.embedding(tokens.long(), w["model.embed_tokens.weight"])
+        x = self.embed(w, tokens)
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         shared, taps = Shared(), {}
         visible = self.visible(pos, io.key_positions(pos.shape[1]))

@@ -15,17 +15,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.model.parallel import rank_weight_specs
 from b12x_toolchain.exporter.model.weights import weight_specs
 
 
 def fake_weights(d: Dims) -> dict[str, torch.Tensor]:
     """Fresh shape-only weights for one capture."""
     with FakeTensorMode(shape_env=ShapeEnv()):
-        return {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in weight_specs(d).items()}
+        return {name: torch.empty(shape, dtype=getattr(torch, dtype))
+                for name, (shape, dtype) in rank_weight_specs(d).items()}
 
 
 def external_weights(d: Dims, checksums: dict[str, str] | None = None) -> dict:
-    """The manifest's `weights` entry of a structural package: what a checkpoint must hold."""
+    """The manifest's `weights` entry of a structural package: what a checkpoint must hold (whole
+    tensors; a parallel package's ranks cut their shards out by `parallel.splits`)."""
     checksums = checksums or {}
     tensors = {}
     for name, (shape, dtype) in weight_specs(d).items():

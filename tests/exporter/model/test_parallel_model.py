@@ -1,0 +1,93 @@
+"""Tensor and expert parallel DeepSeek V4.1 (and V4) on gloo, in real processes: world size 2 gives
+the logits of world size 1.
+
+Each rank runs the eager prefill module over a whole sequence (every layer kind, hash and
+routed MoE, the vocab-parallel embedding and head) with its shards of the same weights,
+then a draft (DSpark; V4: MTP) over the caches that prefill wrote; the logits must equal one
+device's within 1e-5 (fp32 caches).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from b12x_toolchain.exporter.model.parallel import rank_weights
+from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from conftest import random_tokens, recipe_variant
+from decode_steps import FP32_CACHES
+from ranks import on_ranks
+import paging
+
+LENGTH = 150  # past the 128-token window
+
+
+def forward(d: Dims, weights, tokens, rank=0):
+    """Prefill over all of `tokens` at once, then a draft from the position after: both logits."""
+    n = len(tokens)
+    prefill, draft = PASSES["prefill"](d, rank), PASSES["draft"](d, rank)
+    inputs, _ = prefill.convention()
+    draft_inputs, _ = draft.convention()
+    symbols = paging.symbols(inputs, 2)
+    caches = {s.name: torch.zeros(s.resolve(symbols), dtype=s.torch_dtype) for s in prefill.caches()}
+    one = torch.tensor([0], dtype=torch.int32)
+    staging = {s.name: torch.zeros(s.resolve({**symbols, "rows": 1}), dtype=s.torch_dtype)
+               for s in draft_inputs if s.role == "staging"}
+    with torch.no_grad():
+        out = prefill(weights, caches, {}, {"tokens": torch.tensor([tokens], dtype=torch.int32), "row_ids": one,
+                                            "positions": one * 0, "lengths": one * n,
+                                            **paging.block_tables(inputs, one)})
+        block = torch.tensor([[tokens[-1]] + [d.noise_token_id] * (d.draft_width - 1)], dtype=torch.int32)
+        drafted = draft(weights, caches, staging, {"tokens": block, "row_ids": one, "positions": one * n,
+                                                    **paging.block_tables(draft_inputs, one)})
+    return out["logits"][0], drafted["logits"][0]
+
+
+def _rank_forward(rank, recipe, tokens):
+    d = Dims.from_recipe(recipe)
+    whole = init_weights(Dims.from_recipe(recipe), seed=recipe.model.init_seed)
+    return forward(d, rank_weights(whole, d, rank), tokens, rank)
+
+
+def base(recipe):
+    # History and chunk hold every position, so one prefill call covers the sequence.
+    return recipe_variant(recipe, {**FP32_CACHES, "cache.history": LENGTH + 8, "passes.prefill.chunk": LENGTH,
+                                   "rewrites": []}, name="parallel-base")
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return random_tokens(torch.Generator().manual_seed(5), LENGTH)
+
+
+@pytest.fixture(scope="module")
+def one_device(tokens):
+    """Per recipe: the one-device logits, computed once."""
+    cache = {}
+
+    def get(name, recipe):
+        if name not in cache:
+            d = Dims.from_recipe(recipe)
+            cache[name] = forward(d, init_weights(d, seed=recipe.model.init_seed), tokens)
+        return cache[name]
+    return get
+
+
+CASES = {"v41-tensor2": ("dsv41-tiny", {"tensor": 2}), "v41-expert2": ("dsv41-tiny", {"expert": 2}),
+         "v41-tensor2-expert2": ("dsv41-tiny", {"tensor": 2, "expert": 2}),
+         "v4-tensor2-expert2": ("dsv4-tiny", {"tensor": 2, "expert": 2})}  # V4: CSA / HCA layers, MTP drafts
+
+
+@pytest.mark.parametrize("name, mapping", CASES.values(), ids=CASES.keys())
+def test_world_size_2_equals_world_size_1(name, mapping, tokens, one_device):
+    reference = base(load_recipe(name))
+    recipe = recipe_variant(reference, {"parallel": mapping}, name="parallel")
+    expected = one_device(name, reference)
+    for rank, logits in enumerate(on_ranks(_rank_forward, 2, recipe, tokens)):
+        for what, ours, ref in zip(("prefill", "draft"), logits, expected):
+            err = (ours - ref).abs().max().item()
+            print(f"{name} {mapping} rank {rank} {what}: max |Δlogit| {err:.3g}")
+            assert err < 1e-5, (mapping, rank, what, err)
