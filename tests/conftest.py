@@ -124,6 +124,17 @@ def small_path(small_recipe, run_dir):
 
 
 @pytest.fixture(scope="session")
+def small_parallel_recipe(small_recipe):
+    """The small recipe over two ranks, tensor and expert parallel; its weights are small_path's."""
+    return recipe_variant(small_recipe, {"parallel": {"tensor": 2, "expert": 2}}, name="dsv41-small-parallel")
+
+
+@pytest.fixture(scope="session")
+def small_parallel_path(small_parallel_recipe, run_dir):
+    return once_per_run(run_dir, "small-parallel", lambda out: export_package(small_parallel_recipe, out, jobs=2).path)
+
+
+@pytest.fixture(scope="session")
 def fused_path(tiny_recipe, run_dir):
     return once_per_run(run_dir, "fused", lambda out: export_package(tiny_recipe, out).path)
 

@@ -14,6 +14,7 @@ from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.pipeline.package_writer import weights_bytes, write_package
 from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, run_jobs
 from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.passes.manager import PassRecord
@@ -22,7 +23,6 @@ from b12x_toolchain.runtime.package.contract import described
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN  # the `cuda` extra pins exactly this version
 from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
-from b12x_toolchain.runtime.package.reader import FORMAT_VERSION
 from b12x_toolchain.runtime.prefix.snapshot import capabilities as snapshot_capabilities
 from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
 
@@ -65,10 +65,11 @@ def check_matches(recipe, pass_name: str, records: list[PassRecord]) -> None:
             )
 
 
-def pass_entry(module, rows_buckets, inputs: list, outputs: list) -> dict:
-    """A pass's manifest entry: its calling convention and what a server drives it by."""
+def pass_entry(module, rows_buckets, inputs: list, outputs: list, graph: str | None = None) -> dict:
+    """A pass's manifest entry: its calling convention and what a server drives it by (`graph`:
+    the file of its graph, of rank 0 in a parallel package)."""
     return {
-        "graph": f"graphs/{module.name}.pt2",
+        "graph": graph or f"graphs/{module.name}.pt2",
         "rows_buckets": list(rows_buckets),
         "width": module.width(),
         "advances": module.advances,
@@ -124,25 +125,32 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         if on_pass is not None:
             on_pass(output.name, output.records)
 
-    work = [PassJob(recipe, name, pipeline, None if structural else weights, dump_dir) for name in recipe.pass_names]
+    ranks = RankFiles(d)
+    work = [PassJob(recipe, name, pipeline, None if structural else ranks.weights(weights, rank), dump_dir, rank)
+            for rank in ranks.ranks for name in recipe.pass_names]
     outputs = run_jobs(work, jobs, on_start=on_capture, on_done=done)
     files, results, passes, all_records = {}, {}, {}, {}
     for name in recipe.pass_names:  # in pass order, whatever order the jobs finished in
-        output = outputs[name]
-        files[f"graphs/{name}.pt2"] = output.graph
+        output = outputs[ranks.label(name, ranks.ranks[0])]
+        for rank in ranks.ranks:
+            files[ranks.graph(name, rank)] = outputs[ranks.label(name, rank)].graph
         results[name] = {r.name: r.to_json() for r in output.records}
         passes[name] = pass_entry(PASSES[name](d), getattr(recipe.passes, name).rows_buckets,
-                                  output.inputs, output.outputs)
+                                  output.inputs, output.outputs, ranks.graph(name, ranks.ranks[0]))
         all_records[name] = output.records
-    buffers = buffer_table([outputs[name].inputs for name in recipe.pass_names])
+    buffers = buffer_table([outputs[ranks.label(name, ranks.ranks[0])].inputs for name in recipe.pass_names])
     cache_formats = cache_formats_entry(buffers)
+    abi = fingerprint(contract(passes, buffers, cache_formats))
+    ranks.check_conventions(outputs, recipe.pass_names)
     if structural:
         weights_entry = external_weights(d, checksums)
     else:
-        files["weights.safetensors"] = weights_bytes(weights)
-        weights_entry = {"file": "weights.safetensors", "source": source}
+        for rank in ranks.ranks:
+            files[ranks.weights_file(rank)] = weights_bytes(ranks.weights(weights, rank))
+        # A parallel package's weights are per rank: parallel.ranks[r].weights.
+        weights_entry = {"file": None if ranks.mapping else ranks.weights_file(None), "source": source}
     manifest = {
-        "format_version": FORMAT_VERSION,
+        "format_version": ranks.format_version,
         "opset_version": OPSET_VERSION,
         "name": recipe.name,
         "recipe": recipe.normalized(),
@@ -159,11 +167,13 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         "passes": passes,
         "buffers": buffers,
         "cache_formats": cache_formats,
-        "abi_fingerprint": fingerprint(contract(passes, buffers, cache_formats)),
+        "abi_fingerprint": abi,
         "rewrites": {"pipeline": pipeline, "results": results},
         "weights": weights_entry,
         "versions": tool_versions(),
     }
+    if ranks.mapping is not None:
+        manifest["parallel"] = ranks.entry(outputs, recipe.pass_names, structural)
     path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)
     return ExportResult(path, manifest["abi_fingerprint"], all_records, {n: o.seconds for n, o in outputs.items()},
                         {n: o.cpu_seconds for n, o in outputs.items()}, {n: o.peak_rss_bytes for n, o in outputs.items()})

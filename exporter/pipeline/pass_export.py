@@ -25,6 +25,8 @@ from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
 from b12x_toolchain.exporter.views.pass_dump import PassDump
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
+from b12x_toolchain.exporter.pipeline.rank_group import rank_group
+from b12x_toolchain.runtime.parallel.group import collective_counts
 from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
@@ -36,6 +38,11 @@ class PassJob:
     pipeline: list[str]
     weights: dict | None  # None: structural (fake weights, made where the pass is captured)
     dump_dir: Path | None
+    rank: int | None = None  # of a parallel recipe's ranks (None: one device)
+
+    @property
+    def label(self) -> str:
+        return self.name if self.rank is None else f"{self.name} (rank {self.rank})"
 
 
 @dataclass
@@ -48,16 +55,24 @@ class PassOutput:
     seconds: float  # wall time: capture, rewrites, serialisation
     cpu_seconds: float  # CPU time of the same: what a busy machine does not inflate
     peak_rss_bytes: int  # of the process that exported the pass, up to its end
+    rank: int | None = None
+    collectives: dict | None = None  # collective -> how many the graph issues
+
+    @property
+    def label(self) -> str:
+        return self.name if self.rank is None else f"{self.name} (rank {self.rank})"
 
 
 def export_pass(job: PassJob) -> PassOutput:
 
     started, cpu_started = time.perf_counter(), time.process_time()
     d = Dims.from_recipe(job.recipe)
-    module = PASSES[job.name](d)
+    module = PASSES[job.name](d, job.rank or 0)
     inputs, outputs = module.convention()
-    program = capture(module, fake_weights(d) if job.weights is None else job.weights)
-    dump = PassDump(job.dump_dir) if job.dump_dir is not None else None
+    with rank_group(d, job.rank):
+        program = capture(module, fake_weights(d) if job.weights is None else job.weights)
+    dump_dir = job.dump_dir if job.rank is None or job.dump_dir is None else job.dump_dir / f"rank{job.rank}"
+    dump = PassDump(dump_dir) if dump_dir is not None else None
     records = []
     try:
         if dump is not None:
@@ -72,12 +87,12 @@ def export_pass(job: PassJob) -> PassOutput:
     graph = program_bytes(program)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return PassOutput(job.name, graph, records, inputs, outputs, time.perf_counter() - started,
-                      time.process_time() - cpu_started, peak)
+                      time.process_time() - cpu_started, peak, job.rank, collective_counts(program.graph))
 
 
 def run_jobs(jobs: list[PassJob], workers: int, on_start: Callable[[str], None] | None = None,
              on_done: Callable[[PassOutput], None] | None = None) -> dict[str, PassOutput]:
-    """Run every job, `workers` at a time (1: in this process); results by pass name.
+    """Run every job, `workers` at a time (1: in this process); results by job label.
 
     A job is handed to a worker only when one is free, so `on_start` fires when a pass
     really starts. The first failure cancels what has not started and is raised.
@@ -86,10 +101,10 @@ def run_jobs(jobs: list[PassJob], workers: int, on_start: Callable[[str], None] 
     if workers <= 1:
         for job in jobs:
             if on_start is not None:
-                on_start(job.name)
-            results[job.name] = export_pass(job)
+                on_start(job.label)
+            results[job.label] = output = export_pass(job)
             if on_done is not None:
-                on_done(results[job.name])
+                on_done(output)
         return results
     pending, running = list(jobs), {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -98,13 +113,13 @@ def run_jobs(jobs: list[PassJob], workers: int, on_start: Callable[[str], None] 
                 while pending and len(running) < workers:
                     job = pending.pop(0)
                     if on_start is not None:
-                        on_start(job.name)
-                    running[pool.submit(export_pass, job)] = job.name
+                        on_start(job.label)
+                    running[pool.submit(export_pass, job)] = job.label
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
                     running.pop(future)
                     output = future.result()
-                    results[output.name] = output
+                    results[output.label] = output
                     if on_done is not None:
                         on_done(output)
         except BaseException:

@@ -13,6 +13,7 @@ import zipfile
 from b12x_toolchain.runtime.errors import PackageError
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION
 from b12x_toolchain.runtime.package.graph_json import check_graph_json
+from b12x_toolchain.runtime.parallel import group as collectives
 from b12x_toolchain.runtime.strict_json import load_document
 
 ARCHIVE_LIMIT = 1 << 30
@@ -81,7 +82,7 @@ def check_graph_ops(name: str, graph) -> None:
         namespace = getattr(target, "namespace", None)
         if namespace == NAMESPACE and target in known:
             continue
-        if namespace == "aten":
+        if namespace == "aten" or collectives.is_allowed(target):
             continue
         qualified = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
         if qualified.replace("_operator.", "operator.") in ALLOWED_PYTHON:

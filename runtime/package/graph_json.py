@@ -14,6 +14,7 @@ import re
 
 from b12x_toolchain.runtime.errors import PackageError
 from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS, OPSET_VERSION
+from b12x_toolchain.runtime.parallel.group import ALLOWED_TARGETS as COLLECTIVE_TARGETS
 from b12x_toolchain.runtime.strict_json import load_document
 
 TOP_KEYS = {"graph_module", "opset_version", "range_constraints", "schema_version", "verifiers", "torch_version",
@@ -88,8 +89,9 @@ def _check_node(node, refuse) -> None:
     label = f"node {str(node.get('name'))[:80]!r}"
     target = node.get("target")
     if not isinstance(target, str) or not (ATEN_TARGET.fullmatch(target) or target in OPSET_TARGETS
-                                           or target in PYTHON_TARGETS):
-        refuse(label, f"target {str(target)[:120]!r} is outside op set v{OPSET_VERSION}, aten and operator.getitem")
+                                           or target in PYTHON_TARGETS or target in COLLECTIVE_TARGETS):
+        refuse(label, f"target {str(target)[:120]!r} is outside op set v{OPSET_VERSION}, aten, operator.getitem "
+                      "and the fixed-shape collectives")
     for key, value in _dict(node.get("metadata", {}), refuse, label).items():
         if key not in NODE_METADATA or not isinstance(value, str):
             refuse(label, f"metadata {key!r} is not one of the string fields {sorted(NODE_METADATA)}")

@@ -31,6 +31,8 @@ from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buf
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
+from b12x_toolchain.runtime.parallel.group import bind_group, refuse_collectives
+from b12x_toolchain.runtime.parallel.mapping import read_mapping
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.strict_json import load_document
@@ -42,8 +44,10 @@ from b12x_toolchain.runtime.strict_json import load_document
 # cache, block tables as pass inputs) and calls op set 3. 4.0 stores DeepSeek V4.1's records
 # (formats renamed by convention) and records each format's convention (cache_formats.py).
 # The op set is versioned on its own: op set 4 adds hc_sinkhorn (mHC's Sinkhorn as one op),
-# and packages of op set 3 are refused with the same re-export advice.
-FORMAT_VERSION = "4.0"
+# and packages of op set 3 are refused with the same re-export advice. 4.1 adds parallel
+# packages (ranks' graphs and weights, the mapping as data: runtime/parallel/mapping.py);
+# a package for one device is still written as 4.0.
+FORMAT_VERSION = "4.1"
 MANIFEST_LIMIT = 16 << 20
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
@@ -94,6 +98,7 @@ class PassInfo:
 class Package:
     def __init__(self, path: Path, manifest: dict, passes: dict[str, PassInfo], weights: dict[str, torch.Tensor]):
         self.path, self.manifest, self.passes, self.weights = path, manifest, passes, weights
+        self.mapping, self.rank = None, None  # a parallel package's mapping, and the rank loaded
 
     @property
     def abi_fingerprint(self) -> str:
@@ -362,11 +367,14 @@ def _pass_info(convention: _Convention, contents: dict[str, bytes]) -> PassInfo:
                     f.advances, f.reads_staging_of)
 
 
-def load(path, weights=None) -> Package:
+def load(path, weights=None, rank: int | None = None, peer_timeout: float | None = None) -> Package:
     """Load and check a package; `weights` is a checkpoint directory to bind the weights from.
 
     A structural package (external weights) loaded without `weights` can be inspected but
-    not run: `Package.session` refuses until the weights are bound.
+    not run: `Package.session` refuses until the weights are bound. A parallel package is
+    loaded once per rank, `rank` naming this process's, in a process whose default
+    torch.distributed group has the package's world size (runtime/parallel/group.py);
+    `peer_timeout` (seconds) also waits for every peer to answer.
     """
     given = Path(path)
     if not given.is_dir():
@@ -379,9 +387,33 @@ def load(path, weights=None) -> Package:
     _check_fingerprint(manifest)
     conventions = _conventions(manifest)
     check_cache_formats(manifest)
+    mapping = read_mapping(manifest, conventions)
+    conventions = _rank_conventions(conventions, mapping, rank)
     for convention in conventions.values():
         _check_graph_file(convention, contents)
     # Weights first: a bad checkpoint or weights file is refused before any graph is deserialised.
-    bound = bind_weights(manifest, contents, conventions, weights)
+    bound = bind_weights(manifest, contents, conventions, weights, mapping, rank)
     passes = {name: _pass_info(convention, contents) for name, convention in conventions.items()}
-    return Package(given, manifest, passes, bound)
+    programs = {name: info.program for name, info in passes.items()}
+    if mapping is None:
+        refuse_collectives(programs)
+    else:  # before any replay: the group, its size, this rank, and (if asked) the peers
+        bind_group(programs, rank, mapping.world_size, mapping.describe(), peer_timeout)
+    package = Package(given, manifest, passes, bound)
+    package.mapping, package.rank = mapping, rank
+    return package
+
+
+def _rank_conventions(conventions: dict, mapping, rank) -> dict:
+    """The conventions with rank `rank`'s graph files (a one-device package: as they are)."""
+    if mapping is None:
+        if rank not in (None, 0):
+            raise PackageError(f"rank {rank}: the package was exported for one device (no parallel mapping)")
+        return conventions
+    if rank is None:
+        raise PackageError(f"the package was exported for {mapping.describe()}; load it in each rank's process "
+                           "with load(path, rank=R)")
+    if not (isinstance(rank, int) and 0 <= rank < mapping.world_size):
+        raise PackageError(f"rank {rank!r} is out of range; the package was exported for {mapping.describe()}")
+    graphs = mapping.ranks[rank]["graphs"]
+    return {name: dataclasses.replace(c, graph=graphs[name]) for name, c in conventions.items()}

@@ -58,18 +58,23 @@ def _check_embedded(name: str, weights: dict[str, torch.Tensor], expected: dict)
                                f"the passes take {dtype} {list(shape)}")
 
 
-def bind_weights(manifest: dict, contents: dict[str, bytes], passes: dict, checkpoint=None):
-    """The weights a session binds, or None for a structural package loaded without a checkpoint."""
+def bind_weights(manifest: dict, contents: dict[str, bytes], passes: dict, checkpoint=None, mapping=None,
+                 rank: int | None = None):
+    """The weights a session binds, or None for a structural package loaded without a checkpoint.
+
+    A parallel package (`mapping`, runtime/parallel/mapping.py) binds rank `rank`'s shards:
+    stored per rank, or cut out of a whole checkpoint by the mapping's splits."""
     entry = manifest.get("weights")
     if not isinstance(entry, dict):
         raise PackageError("manifest.json: 'weights' is missing or not an object")
     expected = weight_inputs(passes)
+    whole = expected if mapping is None else _whole(expected, mapping)
     if entry.get("external"):
-        checksums = _external_list(entry, expected)
-        return None if checkpoint is None else read_checkpoint(checkpoint, expected, checksums)
+        checksums = _external_list(entry, whole)
+        return None if checkpoint is None else _shards(read_checkpoint(checkpoint, whole, checksums), mapping, rank)
     if checkpoint is not None:  # a checkpoint replaces the stored weights (same names and shapes)
-        return read_checkpoint(checkpoint, expected)
-    name = entry.get("file")
+        return _shards(read_checkpoint(checkpoint, whole), mapping, rank)
+    name = entry.get("file") if mapping is None else mapping.ranks[rank].get("weights")
     if name not in contents:
         raise PackageError(f"manifest.json: weights file {name!r} is not a listed file")
     safetensors_header(contents[name], name)  # strict JSON first: no duplicated tensor names
@@ -79,3 +84,24 @@ def bind_weights(manifest: dict, contents: dict[str, bytes], passes: dict, check
         raise PackageError(f"{name}: not a valid safetensors file ({exc})") from None
     _check_embedded(name, weights, expected)
     return weights
+
+
+def _whole(expected: dict, mapping) -> dict:
+    """The whole tensors a rank's weight inputs are cut from."""
+    for name in mapping.splits:
+        if name not in expected:
+            raise PackageError(f"manifest.json: parallel.splits names {name}, which no pass takes")
+    out = {}
+    for name, (dtype, shape) in expected.items():
+        split = mapping.splits.get(name)
+        if split is not None and split.axis >= len(shape):
+            raise PackageError(f"manifest.json: parallel.splits.{name} cuts axis {split.axis} of a "
+                               f"{len(shape)}-axis tensor")
+        out[name] = (dtype, split.whole(shape) if split else shape)
+    return out
+
+
+def _shards(weights: dict, mapping, rank):
+    if mapping is None:
+        return weights
+    return {name: mapping.splits[name].take(t, rank) if name in mapping.splits else t for name, t in weights.items()}

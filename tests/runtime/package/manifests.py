@@ -16,7 +16,8 @@ from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.ops.namespace import OPSET_VERSION
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
-from b12x_toolchain.runtime.package.reader import FORMAT_VERSION, read_manifest
+from b12x_toolchain.exporter.pipeline.rank_files import SINGLE_DEVICE_FORMAT
+from b12x_toolchain.runtime.package.reader import read_manifest
 
 
 def contract_manifest(recipe) -> dict:
@@ -28,7 +29,7 @@ def contract_manifest(recipe) -> dict:
         passes[name] = pass_entry(module, getattr(recipe.passes, name).rows_buckets, inputs, outputs)
         conventions.append(inputs)
     buffers = buffer_table(conventions)
-    manifest = {"format_version": FORMAT_VERSION, "opset_version": OPSET_VERSION, "name": recipe.name,
+    manifest = {"format_version": SINGLE_DEVICE_FORMAT, "opset_version": OPSET_VERSION, "name": recipe.name,
                 "model": {"max_seq_len": d.max_seq_len, "vocab_size": d.vocab},
                 "passes": passes, "buffers": buffers, "cache_formats": cache_formats_entry(buffers)}
     return refingerprint(manifest)

@@ -126,7 +126,7 @@ def test_an_older_op_set_package_is_refused_with_the_re_export_advice(tiny_recip
 
 def test_a_newer_format_or_op_set_asks_for_a_newer_b12x(tiny_recipe, tmp_path):
     base = contract_manifest(tiny_recipe)
-    with pytest.raises(PackageError, match=r"format_version 5\.0 is not supported .*reads 4\.0 to 4\.0.*newer b12x"):
+    with pytest.raises(PackageError, match=r"format_version 5\.0 is not supported .*reads 4\.0 to 4\.1.*newer b12x"):
         read_back(edited(base, lambda x: x.update(format_version="5.0")), tmp_path)
     with pytest.raises(PackageError, match=r"opset_version 5 is unknown; .*not an op set this runtime knows"):
         read_back(edited(base, lambda x: x.update(opset_version=5)), tmp_path)

@@ -1,0 +1,65 @@
+"""Where a package keeps each rank's graphs and weights, and the manifest's `parallel` entry.
+
+One device: `graphs/PASS.pt2` and `weights.safetensors`, and no `parallel` entry (format
+4.0, as before parallel packages existed). A parallel recipe: `ranks/R/graphs/PASS.pt2`
+and `ranks/R/weights.safetensors` for every rank R, and the mapping as data
+(runtime/parallel/mapping.py), format 4.1. Every rank's calling conventions must be the
+same (equal splits give equal shapes; checked here), so one set of pass entries and one
+ABI fingerprint describe them all.
+"""
+
+from __future__ import annotations
+
+from b12x_toolchain.exporter.errors import ExportError
+from b12x_toolchain.exporter.model.parallel import rank_weights, split_of
+from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.runtime.parallel.mapping import Mapping
+
+SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT = "4.0", "4.1"
+
+
+class RankFiles:
+    def __init__(self, d):
+        self.d = d
+        parallel = d.world_size > 1
+        self.ranks = list(range(d.world_size)) if parallel else [None]
+        self.mapping = Mapping(d.tensor, d.expert, d.world_size, (), self.splits()) if parallel else None
+        self.format_version = PARALLEL_FORMAT if parallel else SINGLE_DEVICE_FORMAT
+
+    def splits(self) -> dict:
+        return {name: split for name in weight_specs(self.d) if (split := split_of(name, self.d)) is not None}
+
+    @staticmethod
+    def label(name: str, rank: int | None) -> str:
+        return name if rank is None else f"{name} (rank {rank})"
+
+    @staticmethod
+    def graph(name: str, rank: int | None) -> str:
+        return f"graphs/{name}.pt2" if rank is None else f"ranks/{rank}/graphs/{name}.pt2"
+
+    @staticmethod
+    def weights_file(rank: int | None) -> str:
+        return "weights.safetensors" if rank is None else f"ranks/{rank}/weights.safetensors"
+
+    def weights(self, weights: dict | None, rank: int | None) -> dict | None:
+        """A rank's shards of the whole model's weights (all of them on one device)."""
+        if weights is None or rank is None:
+            return weights
+        return rank_weights(weights, self.d, rank)
+
+    def check_conventions(self, outputs: dict, pass_names) -> None:
+        for name in pass_names:
+            first = outputs[self.label(name, self.ranks[0])]
+            for rank in self.ranks[1:]:
+                other = outputs[self.label(name, rank)]
+                if (other.inputs, other.outputs) != (first.inputs, first.outputs):
+                    raise ExportError(f"pass {name}: rank {rank}'s calling convention differs from rank "
+                                      f"{self.ranks[0]}'s; every rank of a mapping must take the same buffers")
+
+    def entry(self, outputs: dict, pass_names, structural: bool) -> dict:
+        """The manifest's `parallel` entry: the mapping, each rank's files, collectives per pass."""
+        ranks = [{"graphs": {name: self.graph(name, rank) for name in pass_names},
+                  "weights": None if structural else self.weights_file(rank)} for rank in self.ranks]
+        data = Mapping(self.d.tensor, self.d.expert, self.d.world_size, tuple(ranks), self.mapping.splits).to_json()
+        data["collectives"] = {name: outputs[self.label(name, self.ranks[0])].collectives for name in pass_names}
+        return data

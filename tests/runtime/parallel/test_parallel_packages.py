@@ -1,0 +1,169 @@
+"""One package holds every rank: what it stores, what each rank binds, and what is refused
+before any replay (a missing group, a wrong world size or rank, a peer that does not answer).
+
+On the small recipe (two layers, tensor 2 and expert 2 over two ranks), exported with
+weights and structurally (fake weights, on the fake process group) from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from b12x_toolchain.exporter.model.parallel import rank_weights
+from b12x_toolchain.exporter.model.weights import init_weights, weight_shapes
+from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums, write_checkpoint
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.package.reader import load_graph
+from b12x_toolchain.runtime.parallel.group import collective_counts, refuse_collectives
+from b12x_toolchain.runtime.parallel.mapping import read_mapping
+from ranks import on_ranks
+
+pytestmark = pytest.mark.slow(minutes=2)
+
+
+@pytest.fixture(scope="module")
+def recipe(small_parallel_recipe):
+    return small_parallel_recipe
+
+
+@pytest.fixture(scope="module")
+def whole(recipe):
+    return init_weights(Dims.from_recipe(recipe), recipe.model.init_seed)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(whole, tmp_path_factory):
+    return write_checkpoint(whole, tmp_path_factory.mktemp("checkpoint"), shard_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def packed(small_parallel_path):
+    return small_parallel_path  # exported with the recipe's own weights, `whole`
+
+
+@pytest.fixture(scope="module")
+def structural(recipe, checkpoint, tmp_path_factory):
+    checksums = index_checksums(checkpoint, weight_shapes(Dims.from_recipe(recipe)))
+    return export_package(recipe, tmp_path_factory.mktemp("structural"), structural=True, checksums=checksums).path
+
+
+def manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def test_every_rank_has_its_graphs_and_shards(packed, structural, recipe):
+    m, s = manifest(packed), manifest(structural)
+    assert m["format_version"] == "4.1" and m["parallel"]["world_size"] == 2
+    assert m["abi_fingerprint"] == s["abi_fingerprint"]
+    for rank in range(2):
+        for name, graph in m["parallel"]["ranks"][rank]["graphs"].items():
+            assert graph == f"ranks/{rank}/graphs/{name}.pt2"
+            # A structural rank holds the very graph a capture with real weights gives.
+            assert (packed / graph).read_bytes() == (structural / graph).read_bytes()
+        assert m["parallel"]["ranks"][rank]["weights"] == f"ranks/{rank}/weights.safetensors"
+        assert s["parallel"]["ranks"][rank]["weights"] is None
+    # The two ranks' graphs differ (vocabulary and expert offsets), their conventions do not.
+    assert (packed / "ranks/0/graphs/verify.pt2").read_bytes() != (packed / "ranks/1/graphs/verify.pt2").read_bytes()
+    program = load_graph("verify", (packed / "ranks/0/graphs/verify.pt2").read_bytes())
+    layers = recipe.model.num_layers
+    # Per layer: after the row-parallel O and after the experts; one for the embedding; the head's gather.
+    assert collective_counts(program.graph) == {"all_reduce": 2 * layers + 1, "all_gather_into_tensor": 1}
+    assert m["parallel"]["collectives"]["verify"] == collective_counts(program.graph)
+    assert m["parallel"]["collectives"]["commit"] == {}
+    with pytest.raises(PackageError, match="calls _c10d_functional.all_reduce.default, but the package has no "
+                                           "parallel mapping"):
+        refuse_collectives({"verify": program})
+
+
+def _two_ranks(rank, packed, structural, checkpoint, done):
+    """What one rank of two binds, then what it is refused: another rank's place, and (rank 0)
+    a load that waits for a peer which never loads."""
+    bound = load(packed, rank=rank).weights, load(structural, rank=rank, weights=checkpoint).weights
+    refused = [_refusal(lambda: load(packed, rank=1 - rank))]
+    if rank == 0:
+        refused.append(_refusal(lambda: load(packed, rank=0, peer_timeout=2)))
+        done.touch()
+    else:  # alive, but not loading, until rank 0 has given up on it
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return bound, refused
+
+
+def _alone(rank, packed):
+    return _refusal(lambda: load(packed, rank=rank))
+
+
+def _refusal(call):
+    try:
+        call()
+    except PackageError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_ranks(packed, structural, checkpoint, tmp_path_factory):
+    return on_ranks(_two_ranks, 2, packed, structural, checkpoint, tmp_path_factory.mktemp("flag") / "done")
+
+
+def test_each_rank_binds_its_shards_from_the_package_or_a_whole_checkpoint(two_ranks, whole, recipe):
+    d = Dims.from_recipe(recipe)
+    for rank, ((stored, from_checkpoint), _) in enumerate(two_ranks):
+        expected = rank_weights(whole, d, rank)
+        assert stored.keys() == from_checkpoint.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(stored[name], tensor) and torch.equal(from_checkpoint[name], tensor), name
+        assert stored["lm_head.weight"].shape[0] == d.vocab // 2
+
+
+def test_a_rank_is_refused_before_any_replay(packed, small_path, two_ranks):
+    with pytest.raises(PackageError, match=r"exported for tensor 2, expert 2 \(world size 2\); load it in each "
+                                           r"rank's process with load\(path, rank=R\)"):
+        load(packed)
+    with pytest.raises(PackageError, match="rank 0 of a package for tensor 2, expert 2 .*: no process group is "
+                                           "initialised in this process"):
+        load(packed, rank=0)
+    with pytest.raises(PackageError, match="rank 2 is out of range"):
+        load(packed, rank=2)
+    with pytest.raises(PackageError, match="rank 1: the package was exported for one device"):
+        load(small_path, rank=1)
+    [alone] = on_ranks(_alone, 1, packed)
+    assert "this process's default group has world size 1; the package was exported for world size 2" in alone
+    (_, (swapped, missing)), (_, (swapped_1,)) = two_ranks
+    assert "this process is rank 0 of its default group, not rank 1" in swapped
+    assert "this process is rank 1 of its default group, not rank 0" in swapped_1
+    assert "rank 0 of world size 2: rank 1 did not answer within 2 s" in missing
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(world_size=4), "expected each of tensor and expert to be 1 or the world size"),
+    (lambda p: p.update(tensor=3, world_size=3), "expected each of tensor and expert to be 1 or the world size"),
+    (lambda p: p["ranks"].pop(), "parallel.ranks must list 2 ranks"),
+    (lambda p: p["ranks"][1]["graphs"].pop("draft"), r"parallel.ranks\[1\].graphs must name a graph file for each"),
+    (lambda p: p["splits"].update({"lm_head.weight": {"axis": -1, "parts": 2, "halves": False}}),
+     "parallel.splits.lm_head.weight"),
+])
+def test_a_malformed_mapping_is_refused(packed, change, message):
+    m = manifest(packed)
+    change(m["parallel"])
+    with pytest.raises(PackageError, match=message):
+        read_mapping(m, m["passes"])
+
+
+def test_a_tampered_rank_file_is_refused(packed, tmp_path):
+    copy = tmp_path / packed.name
+    shutil.copytree(packed, copy)
+    data = bytearray((copy / "ranks/1/weights.safetensors").read_bytes())
+    data[-1] ^= 1
+    (copy / "ranks/1/weights.safetensors").write_bytes(bytes(data))
+    with pytest.raises(PackageError, match="ranks/1/weights.safetensors: sha256 .* does not match"):
+        load(copy, rank=0)
