@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from b12x_toolchain.exporter.cli import ranks
 from b12x_toolchain.exporter.cli.common import fail
 from b12x_toolchain.exporter.cli.run_requests import Defaults, PromptError, from_ids, parse_ids, read_prompt_file
 
@@ -93,12 +94,24 @@ def _steps_table(steps: list[dict]) -> Table:
                    "with the same prompt prefix skips prefilling it.")
 @click.option("--prefix-cache-bytes", type=click.IntRange(min=0),
               help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
+@click.option("--nproc", type=click.IntRange(min=1),
+              help="Processes (ranks) on this machine for a parallel package, launched through torchrun; "
+                   "with --nnodes, the world size the package was exported for.")
+@click.option("--nnodes", default=1, show_default=True, type=click.IntRange(min=1), help="Nodes (torchrun).")
+@click.option("--node-rank", type=click.IntRange(min=0), help="This node's rank (torchrun).")
+@click.option("--rdzv-backend", help="Rendezvous backend (torchrun).")
+@click.option("--rdzv-endpoint", help="Rendezvous endpoint host:port (torchrun).")
+@click.option("--rdzv-id", help="Rendezvous id shared by every node of the job (torchrun).")
+@click.option("--master-addr", help="Address of rank 0's node (torchrun, static rendezvous).")
+@click.option("--master-port", type=click.IntRange(min=1, max=65535), help="Port on rank 0's node (torchrun).")
 @click.option("--compile", "compiled", is_flag=True,
               help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
                    "(half a minute to minutes per pass graph; cached locally, keyed by package, device and torch).")
 def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
-        cache_bytes, show_steps, threads, prefix_cache_dir, prefix_cache_bytes, compiled):
-    """Serve prompts from a package on CPU: many requests over reused slots, with a final report."""
+        cache_bytes, show_steps, threads, prefix_cache_dir, prefix_cache_bytes, nproc, nnodes, node_rank,
+        rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port, compiled):
+    """Serve prompts from a package on CPU: many requests over reused slots, with a final report.
+    A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
     from b12x_toolchain.runtime import PackageError, load
     from b12x_toolchain.runtime.serving.engine import Engine
     from b12x_toolchain.runtime.prefix.cache import PrefixCache
@@ -116,13 +129,23 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
         items = _requests(prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
     except PromptError as exc:
         raise click.BadParameter(str(exc)) from None
+    rank = ranks.launched_rank()
+    if nproc is not None and rank is None:  # the launcher: check, then start every rank
+        ranks.check_world(package, nproc, nnodes)
+        ranks.launch(nproc, dict(nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend,
+                                 rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, master_addr=master_addr,
+                                 master_port=master_port))
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     cache = None
     try:
-        loaded = load(package)
+        if rank is None:
+            loaded = load(package)
+        else:
+            ranks.join_group()
+            loaded = load(package, rank=rank, peer_timeout=ranks.PEER_TIMEOUT)
         model = loaded.manifest["model"]
         for request, origin in items:  # before any replay, naming the line to fix
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
@@ -139,7 +162,8 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
         started = time.perf_counter()
         # Counts tokens against every request's max_new_tokens; a stop token ends a request early.
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+                      TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                      disable=rank not in (None, 0)) as progress:
             task = progress.add_task(f"0/{len(states)} requests", total=sum(s.max_new_tokens for s in states))
 
             def on_step(step: dict) -> None:
@@ -154,6 +178,9 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
     finally:
         if cache is not None:
             cache.close()  # waits for queued snapshots to reach the directory
+        ranks.leave_group()
+    if rank not in (None, 0):
+        return  # every rank decoded the same tokens; rank 0 reports them
     for state in states:
         click.echo(f"request {state.id} tokens: " + " ".join(map(str, state.tokens)))
     # Piped output would otherwise be cut at 80 columns, squeezing the tables' headers.

@@ -1,0 +1,50 @@
+"""`b12x run --nproc 2`: torchrun starts one process per rank of a parallel package, rank 0
+reports, and the tokens are one device's. A world the package was not exported for is
+refused before anything starts, and a rank's bad input is one error line, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow(minutes=2)
+
+PROMPT = "5 17 301 44 9 260 3 77 120 31"
+
+
+def b12x(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "run", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def tokens(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("request ")]
+
+
+def test_two_ranks_decode_what_one_device_decodes(small_parallel_path, small_path):
+    one = b12x(small_path, "--prompt-ids", PROMPT, "--max-new-tokens", 8, "--greedy")
+    two = b12x(small_parallel_path, "--nproc", 2, "--prompt-ids", PROMPT, "--max-new-tokens", 8, "--greedy")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert tokens(two.stdout) == tokens(one.stdout) and len(tokens(one.stdout)) == 1
+    assert two.stdout.count("plain greedy decoding") == 1  # rank 0 alone reports
+
+
+def test_a_world_the_package_was_not_exported_for_is_refused_before_launch(small_parallel_path, small_path):
+    three = b12x(small_parallel_path, "--nproc", 3, "--prompt-ids", PROMPT)
+    assert three.returncode == 1
+    assert three.stderr.strip() == (f"error: --nproc 3 x --nnodes 1 makes world size 3; {small_parallel_path} was "
+                                    "exported for tensor 2, expert 2 (world size 2)")
+    one_device = b12x(small_path, "--nproc", 2, "--prompt-ids", PROMPT)
+    assert one_device.returncode == 1 and "was exported for one device" in one_device.stderr
+
+
+def test_a_ranks_bad_input_is_one_error_line(small_parallel_path):
+    bad = b12x(small_parallel_path, "--nproc", 2, "--prompt-ids", "1 2 99999")
+    assert bad.returncode == 1
+    assert "Traceback" not in bad.stderr
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "99999" in lines[0], bad.stderr
