@@ -123,7 +123,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         if fuse:
             check_matches(recipe, output.name, output.records)
         if on_pass is not None:
-            on_pass(output.name, output.records)
+            on_pass(output.label, output.records)  # the label on_capture was given: "verify (rank 3)"
 
     ranks = RankFiles(d)
     work = [PassJob(recipe, name, pipeline, None if structural else ranks.weights(weights, rank), dump_dir, rank)

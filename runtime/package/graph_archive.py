@@ -68,8 +68,9 @@ ALLOWED_PYTHON = {"operator.getitem"}
 
 
 def check_graph_ops(name: str, graph) -> None:
-    """A graph may call aten ops, our op set and getitem: nothing that reaches files,
-    processes or other libraries' ops (a replay must only compute)."""
+    """A graph may call aten ops, our op set, getitem and the fixed-shape functional collectives
+    (runtime/parallel/group.py; the reader refuses them in a package without a parallel
+    mapping): nothing that reaches files, processes or other libraries' ops."""
     from b12x_toolchain.runtime.ops.opset import OPS
 
     known = set(OPS.values())

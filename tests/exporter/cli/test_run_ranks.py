@@ -1,6 +1,7 @@
 """`b12x run --nproc 2`: torchrun starts one process per rank of a parallel package, rank 0
 reports, and the tokens are one device's. A world the package was not exported for is
-refused before anything starts, and a rank's bad input is one error line, no traceback."""
+refused before anything starts, and a rank's bad input is one error line, no traceback.
+`b12x export` of a parallel recipe reports every rank's passes."""
 
 from __future__ import annotations
 
@@ -48,3 +49,20 @@ def test_a_ranks_bad_input_is_one_error_line(small_parallel_path):
     assert "Traceback" not in bad.stderr
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "99999" in lines[0], bad.stderr
+
+
+def test_export_reports_every_ranks_passes(small_parallel_recipe, tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from b12x_toolchain.exporter.cli.main import main
+
+    recipe = tmp_path / "parallel.yaml"
+    recipe.write_text(yaml.safe_dump(small_parallel_recipe.normalized()))
+    result = CliRunner().invoke(main, ["export", "--recipe", str(recipe), "--out", str(tmp_path / "out")],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for rank in range(2):
+        for name in small_parallel_recipe.pass_names:
+            assert f"captured {name} (rank {rank}) in " in result.output
+    assert (tmp_path / "out" / "dsv41-small-parallel.b12x" / "ranks" / "1" / "graphs" / "verify.pt2").is_file()
