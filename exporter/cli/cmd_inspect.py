@@ -38,6 +38,12 @@ def _summary(manifest: dict) -> None:
     console = _console()
     console.print(f"[bold]{manifest['name']}[/]  format {manifest['format_version']}  op set {manifest['opset_version']}"
                   f"  abi {manifest['abi_fingerprint']}", highlight=False)
+    parallel = manifest.get("parallel")
+    if parallel is not None:
+        collectives = ", ".join(f"{name} {sum(counts.values())}" for name, counts in parallel["collectives"].items())
+        console.print(f"parallel: tensor {parallel['tensor']}, expert {parallel['expert']} (world size "
+                      f"{parallel['world_size']}); {len(parallel['splits'])} weights split; collectives per "
+                      f"rank: {collectives}", highlight=False)
     buffers = manifest["buffers"]
     for name, entry in manifest["passes"].items():
         table = Table(title=f"pass {name}: width {entry['width']}, rows buckets {entry['rows_buckets']}")
@@ -111,14 +117,18 @@ def _write_onnx(pkg, out_dir: str) -> None:
               help="With --graph: write the graph as Graphviz to this file ('-': standard output) instead.")
 @click.option("--onnx", "onnx_dir", type=click.Path(file_okay=False),
               help="Write an ONNX view of every pass to DIR/PASS.onnx (b12x ops in domain b12x).")
-def inspect(package, as_json, graph_pass, dot_path, onnx_dir):
+@click.option("--rank", type=click.IntRange(min=0), help="A parallel package's rank whose graphs to show [default: 0].")
+def inspect(package, as_json, graph_pass, dot_path, onnx_dir, rank):
     """Show a package's passes, calling conventions, ABI fingerprint, rewrites and files."""
     from b12x_toolchain.runtime import PackageError, load
+    from b12x_toolchain.runtime.package.reader import read_manifest
 
     if dot_path is not None and graph_pass is None:
         fail("--dot needs --graph PASS")
     try:
-        pkg = load(package)
+        parallel = read_manifest(package).get("parallel") is not None
+        # Every check but the process group's: inspecting a rank needs none.
+        pkg = load(package, rank=(rank or 0) if parallel else rank, join_group=False)
     except PackageError as exc:
         fail(str(exc))
     if as_json:

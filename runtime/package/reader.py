@@ -99,6 +99,7 @@ class Package:
     def __init__(self, path: Path, manifest: dict, passes: dict[str, PassInfo], weights: dict[str, torch.Tensor]):
         self.path, self.manifest, self.passes, self.weights = path, manifest, passes, weights
         self.mapping, self.rank = None, None  # a parallel package's mapping, and the rank loaded
+        self.joined = True  # False: a parallel rank loaded for inspection, outside its process group
 
     @property
     def abi_fingerprint(self) -> str:
@@ -130,6 +131,9 @@ class Package:
         and cached under `compile_cache` (session/compiled.py)."""
         from b12x_toolchain.runtime.session.session import Session
 
+        if not self.joined:
+            raise PackageError(f"{self.path.name}: rank {self.rank} was loaded for inspection (join_group=False); "
+                               "load it in its process group to run it")
         if self.weights is None:
             raise PackageError(f"{self.path.name}: weights are external and not bound; "
                                "load it with load(path, weights=CHECKPOINT_DIR)")
@@ -367,14 +371,16 @@ def _pass_info(convention: _Convention, contents: dict[str, bytes]) -> PassInfo:
                     f.advances, f.reads_staging_of)
 
 
-def load(path, weights=None, rank: int | None = None, peer_timeout: float | None = None) -> Package:
+def load(path, weights=None, rank: int | None = None, peer_timeout: float | None = None,
+         join_group: bool = True) -> Package:
     """Load and check a package; `weights` is a checkpoint directory to bind the weights from.
 
     A structural package (external weights) loaded without `weights` can be inspected but
     not run: `Package.session` refuses until the weights are bound. A parallel package is
     loaded once per rank, `rank` naming this process's, in a process whose default
     torch.distributed group has the package's world size (runtime/parallel/group.py);
-    `peer_timeout` (seconds) also waits for every peer to answer.
+    `peer_timeout` (seconds) also waits for every peer to answer. `join_group=False` checks
+    all the rest and loads the rank's graphs for inspection only: its sessions are refused.
     """
     given = Path(path)
     if not given.is_dir():
@@ -397,10 +403,10 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
     programs = {name: info.program for name, info in passes.items()}
     if mapping is None:
         refuse_collectives(programs)
-    else:  # before any replay: the group, its size, this rank, and (if asked) the peers
+    elif join_group:  # before any replay: the group, its size, this rank, and (if asked) the peers
         bind_group(programs, rank, mapping.world_size, mapping.describe(), peer_timeout)
     package = Package(given, manifest, passes, bound)
-    package.mapping, package.rank = mapping, rank
+    package.mapping, package.rank, package.joined = mapping, rank, mapping is None or join_group
     return package
 
 

@@ -167,3 +167,20 @@ def test_a_tampered_rank_file_is_refused(packed, tmp_path):
     (copy / "ranks/1/weights.safetensors").write_bytes(bytes(data))
     with pytest.raises(PackageError, match="ranks/1/weights.safetensors: sha256 .* does not match"):
         load(copy, rank=0)
+
+
+def test_a_rank_loads_for_inspection_without_its_group_but_does_not_run(packed):
+    from click.testing import CliRunner
+
+    from b12x_toolchain.exporter.cli.main import main
+
+    pkg = load(packed, rank=1, join_group=False)
+    assert (pkg.rank, pkg.mapping.world_size) == (1, 2)
+    assert collective_counts(pkg.passes["verify"].program.graph)["all_reduce"] > 0
+    with pytest.raises(PackageError, match="rank 1 was loaded for inspection .*load it in its process group"):
+        pkg.session()
+    shown = CliRunner().invoke(main, ["inspect", str(packed)], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert "parallel: tensor 2, expert 2 (world size 2)" in shown.output
+    graph = CliRunner().invoke(main, ["inspect", str(packed), "--rank", "1", "--graph", "verify"], terminal_width=200)
+    assert graph.exit_code == 0 and "all_reduce" in graph.output
