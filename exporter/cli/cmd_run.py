@@ -144,8 +144,7 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
         if rank is None:
             loaded = load(package)
         else:
-            ranks.join_group()
-            loaded = load(package, rank=rank, peer_timeout=ranks.PEER_TIMEOUT)
+            loaded = load(package, rank=ranks.join_group(), peer_timeout=ranks.PEER_TIMEOUT)
         model = loaded.manifest["model"]
         for request, origin in items:  # before any replay, naming the line to fix
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",

@@ -45,6 +45,11 @@ EXPERT_SPLITS = {"experts.gate_up_proj": 1, "experts.down_proj": 2}
 HALVES = ("experts.gate_up_proj",)
 
 
+def check_rank(d: Dims, rank: int) -> None:
+    if not 0 <= rank < d.world_size:
+        raise ValueError(f"rank {rank} is out of range; expected 0 <= rank < world size {d.world_size}")
+
+
 def split_of(name: str, d: Dims) -> Split | None:
     """How `name` is split across d's ranks (None: every rank holds all of it)."""
     for suffix, axis in TENSOR_SPLITS.items():
@@ -70,8 +75,7 @@ def rank_weight_specs(d: Dims) -> dict[str, Spec]:
 
 def rank_weights(weights: dict[str, torch.Tensor], d: Dims, rank: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s shards of a whole model's weights."""
-    if not 0 <= rank < d.world_size:
-        raise ValueError(f"rank {rank} is out of range; expected 0 <= rank < world size {d.world_size}")
+    check_rank(d, rank)
     out = {}
     for name, tensor in weights.items():
         split = split_of(name, d)
@@ -106,8 +110,7 @@ class Mesh:
 
     @classmethod
     def of(cls, d: Dims, rank: int = 0) -> "Mesh":
-        if not 0 <= rank < d.world_size:
-            raise ValueError(f"rank {rank} is out of range; expected 0 <= rank < world size {d.world_size}")
+        check_rank(d, rank)
         return cls(d.tensor, d.expert, rank)
 
     @property

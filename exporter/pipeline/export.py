@@ -12,7 +12,7 @@ import torch
 import b12x_toolchain
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.pipeline.package_writer import weights_bytes, write_package
-from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, run_jobs
+from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, pass_label, run_jobs
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
@@ -126,19 +126,20 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
             on_pass(output.label, output.records)  # the label on_capture was given: "verify (rank 3)"
 
     ranks = RankFiles(d)
-    work = [PassJob(recipe, name, pipeline, None if structural else ranks.weights(weights, rank), dump_dir, rank)
+    shards = {rank: None if structural else ranks.weights(weights, rank) for rank in ranks.ranks}  # cut once
+    work = [PassJob(recipe, name, pipeline, shards[rank], dump_dir, rank)
             for rank in ranks.ranks for name in recipe.pass_names]
     outputs = run_jobs(work, jobs, on_start=on_capture, on_done=done)
     files, results, passes, all_records = {}, {}, {}, {}
     for name in recipe.pass_names:  # in pass order, whatever order the jobs finished in
-        output = outputs[ranks.label(name, ranks.ranks[0])]
+        output = outputs[pass_label(name, ranks.ranks[0])]
         for rank in ranks.ranks:
-            files[ranks.graph(name, rank)] = outputs[ranks.label(name, rank)].graph
+            files[ranks.graph(name, rank)] = outputs[pass_label(name, rank)].graph
         results[name] = {r.name: r.to_json() for r in output.records}
         passes[name] = pass_entry(PASSES[name](d), getattr(recipe.passes, name).rows_buckets,
                                   output.inputs, output.outputs, ranks.graph(name, ranks.ranks[0]))
         all_records[name] = output.records
-    buffers = buffer_table([outputs[ranks.label(name, ranks.ranks[0])].inputs for name in recipe.pass_names])
+    buffers = buffer_table([outputs[pass_label(name, ranks.ranks[0])].inputs for name in recipe.pass_names])
     cache_formats = cache_formats_entry(buffers)
     abi = fingerprint(contract(passes, buffers, cache_formats))
     ranks.check_conventions(outputs, recipe.pass_names)
@@ -146,9 +147,9 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         weights_entry = external_weights(d, checksums)
     else:
         for rank in ranks.ranks:
-            files[ranks.weights_file(rank)] = weights_bytes(ranks.weights(weights, rank))
+            files[ranks.weights_file(rank)] = weights_bytes(shards[rank])
         # A parallel package's weights are per rank: parallel.ranks[r].weights.
-        weights_entry = {"file": None if ranks.mapping else ranks.weights_file(None), "source": source}
+        weights_entry = {"file": None if ranks.parallel else ranks.weights_file(None), "source": source}
     manifest = {
         "format_version": ranks.format_version,
         "opset_version": OPSET_VERSION,
@@ -172,7 +173,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         "weights": weights_entry,
         "versions": tool_versions(),
     }
-    if ranks.mapping is not None:
+    if ranks.parallel:
         manifest["parallel"] = ranks.entry(outputs, recipe.pass_names, structural)
     path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)
     return ExportResult(path, manifest["abi_fingerprint"], all_records, {n: o.seconds for n, o in outputs.items()},

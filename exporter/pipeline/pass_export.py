@@ -31,6 +31,11 @@ from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline,
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
 
+def pass_label(name: str, rank: int | None) -> str:
+    """How a job and its output are named: the pass, and its rank in a parallel export."""
+    return name if rank is None else f"{name} (rank {rank})"
+
+
 @dataclass
 class PassJob:
     recipe: object
@@ -42,7 +47,7 @@ class PassJob:
 
     @property
     def label(self) -> str:
-        return self.name if self.rank is None else f"{self.name} (rank {self.rank})"
+        return pass_label(self.name, self.rank)
 
 
 @dataclass
@@ -60,7 +65,7 @@ class PassOutput:
 
     @property
     def label(self) -> str:
-        return self.name if self.rank is None else f"{self.name} (rank {self.rank})"
+        return pass_label(self.name, self.rank)
 
 
 def export_pass(job: PassJob) -> PassOutput:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from b12x_toolchain.exporter.errors import ExportError
 from b12x_toolchain.exporter.model.parallel import rank_weights, split_of
 from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.exporter.pipeline.pass_export import pass_label
 from b12x_toolchain.runtime.parallel.mapping import Mapping
 
 SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT = "4.0", "4.1"
@@ -23,15 +24,8 @@ class RankFiles:
         self.d = d
         parallel = d.world_size > 1
         self.ranks = list(range(d.world_size)) if parallel else [None]
-        self.mapping = Mapping(d.tensor, d.expert, d.world_size, (), self.splits()) if parallel else None
+        self.parallel = parallel
         self.format_version = PARALLEL_FORMAT if parallel else SINGLE_DEVICE_FORMAT
-
-    def splits(self) -> dict:
-        return {name: split for name in weight_specs(self.d) if (split := split_of(name, self.d)) is not None}
-
-    @staticmethod
-    def label(name: str, rank: int | None) -> str:
-        return name if rank is None else f"{name} (rank {rank})"
 
     @staticmethod
     def graph(name: str, rank: int | None) -> str:
@@ -49,9 +43,9 @@ class RankFiles:
 
     def check_conventions(self, outputs: dict, pass_names) -> None:
         for name in pass_names:
-            first = outputs[self.label(name, self.ranks[0])]
+            first = outputs[pass_label(name, self.ranks[0])]
             for rank in self.ranks[1:]:
-                other = outputs[self.label(name, rank)]
+                other = outputs[pass_label(name, rank)]
                 if (other.inputs, other.outputs) != (first.inputs, first.outputs):
                     raise ExportError(f"pass {name}: rank {rank}'s calling convention differs from rank "
                                       f"{self.ranks[0]}'s; every rank of a mapping must take the same buffers")
@@ -60,6 +54,7 @@ class RankFiles:
         """The manifest's `parallel` entry: the mapping, each rank's files, collectives per pass."""
         ranks = [{"graphs": {name: self.graph(name, rank) for name in pass_names},
                   "weights": None if structural else self.weights_file(rank)} for rank in self.ranks]
-        data = Mapping(self.d.tensor, self.d.expert, self.d.world_size, tuple(ranks), self.mapping.splits).to_json()
-        data["collectives"] = {name: outputs[self.label(name, self.ranks[0])].collectives for name in pass_names}
+        splits = {name: split for name in weight_specs(self.d) if (split := split_of(name, self.d)) is not None}
+        data = Mapping(self.d.tensor, self.d.expert, self.d.world_size, tuple(ranks), splits).to_json()
+        data["collectives"] = {name: outputs[pass_label(name, self.ranks[0])].collectives for name in pass_names}
         return data
