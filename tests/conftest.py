@@ -29,8 +29,9 @@ from b12x_toolchain.runtime import load
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
 # shared one, or one its module exports itself) or a child process (torch's import alone
 # takes seconds). `make test-fast` leaves out what carries the `exports` marker.
-EXPORT_FIXTURES = {"small_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir"}
-COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(")
+EXPORT_FIXTURES = {"small_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
+                   "small_parallel_path"}
+COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(", "on_ranks(")  # on_ranks: a process per rank
 
 
 def _module_minutes(item) -> float:
