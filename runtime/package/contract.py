@@ -254,12 +254,15 @@ def pass_fields(name: str, entry, pass_names) -> PassFields:
 
 def check_row_inputs(name: str, fields: PassFields, inputs) -> None:
     """`inputs`: the pass's BufferSpecs (kinds attached). Every pass takes one slot_ids and one
-    positions input; `advances` names its one count input, or is null when it has none."""
+    positions input, and no kind twice; `advances` names its one count input, or is null."""
     where = f"manifest.json: passes.{name}"
     declared = [s.name for s in inputs if s.role == "input"]
     if sorted(declared) != sorted(fields.row_inputs):
         raise PackageError(f"{where}.row_inputs: lists {sorted(fields.row_inputs)}; the inputs are {sorted(declared)}")
     kinds = [fields.row_inputs[n] for n in declared]
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    if repeated:  # a replay takes its values by kind
+        raise PackageError(f"{where}.row_inputs: several inputs of kind {repeated[0]}; expected one per kind")
     for required in ("slot_ids", "positions"):
         if kinds.count(required) != 1:
             raise PackageError(f"{where}.row_inputs: {kinds.count(required)} inputs of kind {required}; expected one")

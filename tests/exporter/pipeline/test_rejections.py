@@ -128,6 +128,6 @@ def test_bad_commit_inputs_are_refused_before_any_write(small_pkg, values, messa
 def test_bad_tokens_are_refused(small_pkg):
     session = small_pkg.session(slots=1)
     with pytest.raises(ValueError, match=r"tokens: value 512 is out of range; expected a token id in \[0, 512\)"):
-        session.replay("prefill", tokens=[[512] + [0] * 63], row_ids=[0], positions=[0], lengths=[1])
+        session.replay("prefill", token_ids=[[512] + [0] * 63], slot_ids=[0], positions=[0], new_tokens=[1])
     with pytest.raises(ValueError, match=r"tokens: shape \(1, 5\) does not match the expected \(1, 8\)"):
-        session.replay("verify", tokens=[[1] * 5], row_ids=[0], positions=[0])
+        session.replay("verify", token_ids=[[1] * 5], slot_ids=[0], positions=[0])
