@@ -260,12 +260,13 @@ def check_row_inputs(name: str, fields: PassFields, inputs) -> None:
     if sorted(declared) != sorted(fields.row_inputs):
         raise PackageError(f"{where}.row_inputs: lists {sorted(fields.row_inputs)}; the inputs are {sorted(declared)}")
     kinds = [fields.row_inputs[n] for n in declared]
-    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
-    if repeated:  # a replay takes its values by kind
-        raise PackageError(f"{where}.row_inputs: several inputs of kind {repeated[0]}; expected one per kind")
     for required in ("slot_ids", "positions"):
         if kinds.count(required) != 1:
             raise PackageError(f"{where}.row_inputs: {kinds.count(required)} inputs of kind {required}; expected one")
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    if repeated:  # a replay takes its values by kind
+        raise PackageError(f"{where}.row_inputs: {kinds.count(repeated[0])} inputs of kind {repeated[0]}; "
+                           "expected one of each kind")
     tables = {KINDS[fields.row_inputs[n]].pool: n for n in declared if KINDS[fields.row_inputs[n]].pool}
     widths = {s.info.page.pool: s.info.page.pages_per_slot for s in inputs
               if s.role == "cache" and s.info is not None and isinstance(s.info.page, CachePages)}
