@@ -56,7 +56,9 @@ def local(kind: str, owner: str) -> str:
 
 
 def window(owner: str) -> str:
-    return f"{owner}.{WINDOW}"
+    """An owner's window ring, or its staging: a layer's and a draft stage's are named alike
+    (every window kind has the part WINDOW), so the same code reads either."""
+    return local("window_ring", owner)
 
 
 def cache(local_name: str) -> str:

@@ -62,10 +62,24 @@ def state_span(kind: str, ratio: int) -> int:
 
 
 def owned_caches(d: Dims, i: int) -> list[Owned]:
-    ratio, kind, owner = d.ratios[i], d.kind(i), names.layer(i)
-    out = [Owned(names.local("window_ring", owner), "window_ring", d.history, d.window_format, d.head_dim, 1)]
+    ratio, kind = d.ratios[i], d.kind(i)
+
+    def owned(cache_kind: str, *rows_format_dims_ratio) -> Owned:
+        return Owned(names.local(cache_kind, names.layer(i)), cache_kind, *rows_format_dims_ratio)
+
+    out = [owned("window_ring", d.history, d.window_format, d.head_dim, 1)]
     if d.role(i) != "full":
         return out
+    entries = d.max_seq_len // ratio
+    out.append(owned("compressed_entries", entries, d.compressed_format, d.head_dim, ratio))
+    if kind != "direct":
+        width = 4 * d.head_dim if kind == "csa" else 2 * d.head_dim  # [kv | gate], two series where CSA overlaps
+        out.append(owned("compressor_state", state_span(kind, ratio), STATE_FORMAT, width, 1))
+    if kind == "csa" or not d.v4:
+        out.append(owned("index_keys", entries, d.index_format, d.index_head_dim, ratio))
+    if kind == "csa":
+        out.append(owned("index_compressor_state", state_span(kind, ratio), STATE_FORMAT, 4 * d.index_head_dim, 1))
+    return out
     entries = d.max_seq_len // ratio
     out.append(Owned(names.local("compressed_entries", owner), "compressed_entries", entries, d.compressed_format, d.head_dim, ratio))
     if kind != "direct":

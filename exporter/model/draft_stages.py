@@ -15,18 +15,20 @@ class DraftStages:
     def cache_specs(self):
         d = self.d
         return [spec for s in range(d.draft_stages) for spec in
-                [cache(names.stage_cache("draft_window", s), "draft_window", d.history, d.window_format, d.head_dim, stage=s)]
+                [cache(names.stage_cache("draft_window", s), "draft_window", d.history, d.window_format, d.head_dim,
+                       stage=s)]
                 + self.stage_cache_specs(s)]
 
     def verify_staging_specs(self):
         d = self.d
         return [spec for s in range(d.draft_stages) for spec in
-                [staged_rows(names.stage_staging("verify", "draft_context_staging", s), "draft_context_staging", d.verify_width,
-                             d.window_format, d.head_dim, stage=s)]
+                [staged_rows(names.stage_staging("verify", "draft_context_staging", s), "draft_context_staging",
+                             d.verify_width, d.window_format, d.head_dim, stage=s)]
                 + self.stage_staging_specs(s)]
 
     def draft_staging_specs(self):
-        return [window_staging(names.stage_staging("draft", "draft_window_staging", s), self.d, self.d.draft_width, stage=s)
+        return [window_staging(names.stage_staging("draft", "draft_window_staging", s), self.d, self.d.draft_width,
+                               stage=s)
                 for s in range(self.d.draft_stages)]
 
     def commit(self, caches, staging, row_ids, pos, accepted, end):

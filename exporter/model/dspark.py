@@ -36,7 +36,8 @@ class DSparkDrafter(DraftStages):
             a = p + "self_attn."
             kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
             owner = names.stage(s)
-            io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format, last_only=False)
+            io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format,
+                    last_only=False)
 
     def draft(self, w, caches, staging, inputs):
         d, c = self.d, self.c

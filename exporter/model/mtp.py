@@ -27,16 +27,17 @@ class MtpDrafter(DraftStages):
     """Adds per stage the streams of the slot's last committed position (one row per slot)."""
 
     def stage_cache_specs(self, stage):
-        return [cache(names.stage_cache("draft_hidden", stage), "draft_hidden", 1, STATE_FORMAT, hidden_width(self.d), stage=stage)]
+        return [cache(names.stage_cache("draft_hidden", stage), "draft_hidden", 1, STATE_FORMAT, hidden_width(self.d),
+                      stage=stage)]
 
     def stage_staging_specs(self, stage):
         return [staged_rows(names.stage_staging("verify", "draft_hidden_staging", stage), "draft_hidden_staging",
-                            self.d.verify_width,
-                            STATE_FORMAT, hidden_width(self.d), stage=stage)]
+                            self.d.verify_width, STATE_FORMAT, hidden_width(self.d), stage=stage)]
 
     def commit_stage(self, stage, caches, staging, row_ids, pos, accepted, end):
         ops.write_rows(caches[names.stage_cache("draft_hidden", stage)],
-                       staging[names.stage_staging("verify", "draft_hidden_staging", stage)], row_ids, torch.zeros_like(pos), accepted & (pos == end - 1), "bytes")
+                       staging[names.stage_staging("verify", "draft_hidden_staging", stage)], row_ids,
+                       torch.zeros_like(pos), accepted & (pos == end - 1), "bytes")
 
     # -- target passes ---------------------------------------------------------------------
 
@@ -49,7 +50,8 @@ class MtpDrafter(DraftStages):
     def stored_streams(self, caches, row_ids, stage):
         d = self.d
         zero = torch.zeros(row_ids.shape[0], 1, dtype=torch.long, device=row_ids.device)
-        flat = ops.gather_rows(caches[names.stage_cache("draft_hidden", stage)], row_ids, zero, hidden_width(d), STATE_FORMAT)
+        flat = ops.gather_rows(caches[names.stage_cache("draft_hidden", stage)], row_ids, zero, hidden_width(d),
+                               STATE_FORMAT)
         return flat.view(-1, 1, d.hc_mult, d.hidden)
 
     def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
@@ -64,7 +66,8 @@ class MtpDrafter(DraftStages):
             a = p + "self_attn."
             kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
             owner = names.stage(s)
-            io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format, last_only=False)
+            io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format,
+                    last_only=False)
             io.rows(names.local("draft_hidden_staging", owner), names.local("draft_hidden", owner), streams.flatten(-2),
                     STATE_FORMAT, last_only=True)
 
@@ -75,7 +78,8 @@ class MtpDrafter(DraftStages):
         d, c = self.d, self.c
         row_ids, positions, tokens = names.row_inputs(inputs, "slot_ids", "positions", "token_ids")
         stage = staging[names.stage_staging("draft", "draft_window_staging", 0)]
-        ops.window_snapshot(caches[names.stage_cache("draft_window", 0)], stage, row_ids, positions, d.history, d.layout, d.page_size)
+        ops.window_snapshot(caches[names.stage_cache("draft_window", 0)], stage, row_ids, positions, d.history, d.layout,
+                            d.page_size)
         keys = [ops.window_read(stage, d.history, d.head_dim, d.window_format)]
         key_pos = positions.long()[:, None] + torch.arange(-d.history, 0, device=positions.device)
         token, prev, logits = tokens[:, :1], self.stored_streams(caches, row_ids, 0), []

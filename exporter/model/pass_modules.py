@@ -82,7 +82,8 @@ class PrefillPass(DeepSeekPass):
         return inputs, [_logits(self.d, width)]
 
     def forward(self, weights, caches, staging, inputs):
-        row_ids, positions, lengths, tokens = names.row_inputs(inputs, "slot_ids", "positions", "new_tokens", "token_ids")
+        row_ids, positions, lengths, tokens = names.row_inputs(inputs, "slot_ids", "positions", "new_tokens",
+                                                               "token_ids")
         io = DirectIO(self.d, caches, row_ids, positions, lengths, _block_tables(inputs), self.width())
         logits, streams, taps = self.target(weights, io, caches, tokens, io.pos, row_ids)
         self.drafter.context(weights, io, caches, row_ids, tokens, io.pos, streams, taps)

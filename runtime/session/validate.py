@@ -88,7 +88,8 @@ def validate_inputs(session, info, values: dict) -> dict[str, torch.Tensor]:
         _in_range("token_ids", tensors["token_ids"], 0, model["vocab_size"], "a token id")
     step = info.advances_kind
     if step is not None:
-        _in_range(step, tensors[step], KINDS[step].count_min, info.width + 1, f"a row count of the {info.width}-wide pass")
+        _in_range(step, tensors[step], KINDS[step].count_min, info.width + 1,
+                  f"a row count of the {info.width}-wide pass")
     reach = positions.long() + (tensors[step].long() if step else info.width)
     _in_range("positions", reach, 0, model["max_seq_len"] + 1, f"positions + {step or 'width'} within max_seq_len")
     for kind in sorted(tables & set(tensors)):
