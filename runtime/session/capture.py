@@ -41,30 +41,31 @@ class CudaGraphCapture:
     """CUDA graphs: warm-up on a side stream, then one graph per bucket in a shared pool.
 
     Sharing the pool is safe because a step keeps nothing alive past its end (results are
-    copied into static outputs the session owns) and replays never overlap.
+    copied into static outputs the session owns) and replays never overlap. `cuda` is the
+    torch.cuda namespace whose streams and graphs it uses (tests hand in a recorder).
     """
 
-    def __init__(self, device):
+    def __init__(self, device, cuda=torch.cuda):
         if not ops.CUDA_KERNELS:
             raise RuntimeError(f"a CUDA session needs the Triton kernels of op set v{ops.OPSET_VERSION}: install "
                                f"triton ({CUDA_EXTRA})")
-        self.device = torch.device(device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.device, self.cuda = torch.device(device), cuda
+        self.pool = cuda.graph_pool_handle()
 
     @contextlib.contextmanager
     def warming_up(self) -> Iterator[None]:
         # Off the current stream, as capture requires of the work it records (Triton
         # compiles and cuBLAS sets up here); the current stream waits for it after.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        side = self.cuda.Stream(self.device)
+        side.wait_stream(self.cuda.current_stream(self.device))
+        with self.cuda.stream(side):
             yield
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.cuda.current_stream(self.device).wait_stream(side)
 
     def record(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept so its nodes can be inspected
-        with torch.cuda.graph(graph, pool=self.pool):
-            step()
+        graph = self.cuda.CUDAGraph(keep_graph=True)  # kept so its nodes can be inspected
+        with self.cuda.graph(graph, pool=self.pool):
+            step()  # launches are recorded, not run
         graph.instantiate()
         return graph
 

@@ -8,13 +8,14 @@ preparing its graphs would overwrite the caches of requests that are already liv
 
 from __future__ import annotations
 
+import contextlib
 import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
-from b12x_toolchain.runtime.session.capture import RecordedStep, RecordingCapture
+from b12x_toolchain.runtime.session.capture import CudaGraphCapture, RecordedStep, RecordingCapture
 from b12x_toolchain.runtime.session.graph_runner import WARMUP_STEPS, ForeignBufferError, GraphRunner
 from b12x_toolchain.runtime.session.session import Session
 from b12x_toolchain.runtime.serving.speculative import Decoder
@@ -27,8 +28,8 @@ class SlotBucket:
     """A bucket whose step adds one to its cache row of every row's slot, and remembers the
     static inputs each run saw: enough to tell where warm-up and replays write."""
 
-    def __init__(self, rows, cache, live_slot=3):
-        self.rows, self.cache = rows, cache
+    def __init__(self, rows, cache, live_slot=3, log=None):
+        self.rows, self.cache, self.log = rows, cache, log
         self.inputs = {"slots": torch.full((rows,), live_slot, dtype=torch.int32, device=cache.device),
                        "table": torch.full((rows, 2), 5, dtype=torch.int32, device=cache.device)}
         self.padding = {"slots": SCRATCH, "table": -1}
@@ -36,6 +37,8 @@ class SlotBucket:
         self.seen = []
 
     def run(self):
+        if self.log is not None:
+            self.log.append("step")
         self.seen.append({name: t.clone() for name, t in self.inputs.items()})  # no host sync: CUDA captures this
         index = self.inputs["slots"].long()
         self.cache.index_add_(0, index, torch.ones(self.rows, dtype=self.cache.dtype, device=self.cache.device))
@@ -107,6 +110,71 @@ def test_capture_on_a_rebound_buffer_is_refused():
     with pytest.raises(ForeignBufferError, match="^c: bound at"):
         runner.add("verify", bucket)
     assert bucket.seen == []
+
+
+class CudaCalls:
+    """Stands in for the torch.cuda namespace: the calls made of it, in order, in `log`."""
+
+    def __init__(self):
+        self.log = []
+
+    def graph_pool_handle(self):
+        self.log.append("pool handle")
+        return "pool"
+
+    def Stream(self, device):
+        return Stream("side", self.log)
+
+    def current_stream(self, device):
+        return Stream("current", self.log)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        self.log.append(f"on {stream.name}")
+        yield
+        self.log.append(f"off {stream.name}")
+
+    def CUDAGraph(self, keep_graph):
+        return Graph(self.log)
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool):
+        self.log.append(f"capture into {pool}")
+        yield
+        self.log.append("capture end")
+
+
+class Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+class Graph:
+    def __init__(self, log):
+        self.log = log
+
+    def instantiate(self):
+        self.log.append("instantiate")
+
+    def replay(self):
+        self.log.append("replay")
+
+
+def test_cuda_capture_warms_up_on_a_side_stream_then_captures_into_the_shared_pool(monkeypatch):
+    from b12x_toolchain.runtime.ops import opset as ops
+
+    monkeypatch.setattr(ops, "CUDA_KERNELS", True)
+    cuda = CudaCalls()
+    runner, caches = _runner(CudaGraphCapture("cuda", cuda=cuda))
+    bucket = SlotBucket(1, caches["c"], log=cuda.log)
+    runner.add("verify", bucket)
+    runner.replay("verify", bucket)
+    assert cuda.log == ["pool handle", "side waits for current", "on side", *["step"] * WARMUP_STEPS, "off side",
+                        "current waits for side", "capture into pool", "step", "capture end", "instantiate", "replay"]
+    assert all(_values(seen) == {"slots": [SCRATCH], "table": [[-1, -1]]} for seen in bucket.seen)
 
 
 def test_a_cuda_runner_without_the_triton_kernels_names_the_extra_to_install(monkeypatch):
