@@ -45,6 +45,14 @@ class SlotBucket:
         return {"out": self.cache[index].float()}
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _capture_on(device: str):
+    """The stand-in on the CPU; on CUDA, the default: CUDA graphs."""
+    return RecordingCapture() if device == "cpu" else None
+
+
 def _values(seen: dict) -> dict:
     return {name: t.tolist() for name, t in seen.items()}
 
@@ -54,10 +62,9 @@ def _runner(capture, device="cpu"):
     return GraphRunner(device, (caches,), capture), caches
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_warm_up_writes_only_the_scratch_slot_and_replay_the_rows_given(device):
-    capture = RecordingCapture() if device == "cpu" else None  # None on CUDA: CUDA graphs
-    runner, caches = _runner(capture, device)
+@pytest.mark.parametrize("device", DEVICES)
+def test_warm_up_writes_only_the_scratch_slot_and_replays_the_rows_given(device):
+    runner, caches = _runner(_capture_on(device), device)
     bucket = SlotBucket(2, caches["c"])  # its inputs still name a live slot (3) and page (5)
     runner.add("verify", bucket)
     expected = [0] * SCRATCH + [2 * WARMUP_STEPS]  # two rows, each warm-up step; capture writes nothing
@@ -217,13 +224,15 @@ def _prepare_again(live) -> None:
 
 
 def _prepare_over_its_buffers(live) -> None:
-    Session(live.package, slots=live.slots, max_rows=2, buffers=dict(live.caches), capture=RecordingCapture())
+    Session(live.package, live.device, slots=live.slots, max_rows=2, buffers=dict(live.caches),
+            capture=_capture_on(live.device.type))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prepare", [_prepare_again, _prepare_over_its_buffers],
                          ids=["same session again", "new session over its buffers"])
-def test_preparing_graphs_leaves_a_live_requests_pages_and_slot_alone(fused_pkg, prepare):
-    live = Session(fused_pkg, slots=2, max_rows=2, capture=RecordingCapture())
+def test_preparing_graphs_leaves_a_live_requests_pages_and_slot_alone(fused_pkg, prepare, device):
+    live = Session(fused_pkg, device, slots=2, max_rows=2, capture=_capture_on(device))
     Decoder(live).prefill(0, random_tokens(torch.Generator().manual_seed(3), 40))
     assert all(live.pages.held[pool][0] for pool in live.pools), "the request should hold pages of every pool"
     held = _held_by(live, 0)
