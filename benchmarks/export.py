@@ -108,7 +108,7 @@ def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.pass_modules import PASSES
     from b12x_toolchain.exporter.pipeline.structural import fake_weights
-    from b12x_toolchain.passes.manager import build_pipeline, count_nodes, run_pipeline
+    from b12x_toolchain.passes.kit.manager import build_pipeline, count_nodes, run_pipeline
 
     d = Dims.from_recipe(recipe)
     graph = capture(PASSES["verify"](d), fake_weights(d)).graph_module

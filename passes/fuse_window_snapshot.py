@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.passes.pair_rewrite import PairRewrite
+from b12x_toolchain.passes.kit.pair_rewrite import PairRewrite
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
 

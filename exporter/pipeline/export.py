@@ -17,7 +17,7 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
 from b12x_toolchain.exporter.model.weights import init_weights
-from b12x_toolchain.passes.manager import PassRecord
+from b12x_toolchain.passes.kit.manager import PassRecord
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.contract import described
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION

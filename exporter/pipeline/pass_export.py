@@ -27,7 +27,7 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.pipeline.rank_group import rank_group
 from b12x_toolchain.runtime.parallel.group import collective_counts
-from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x_toolchain.passes.kit.manager import PassError, PassRecord, build_pipeline, run_pipeline
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
 

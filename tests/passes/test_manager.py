@@ -7,8 +7,8 @@ import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.fuse_window_snapshot import FuseWindowSnapshot
-from b12x_toolchain.passes.invariants import check_invariants, signature
-from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x_toolchain.passes.kit.invariants import check_invariants, signature
+from b12x_toolchain.passes.kit.manager import PassError, PassRecord, build_pipeline, run_pipeline
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,

@@ -36,7 +36,7 @@ def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.pass_modules import VerifyPass
     from b12x_toolchain.exporter.model.weights import init_weights
-    from b12x_toolchain.passes.manager import PassError, build_pipeline, run_pipeline
+    from b12x_toolchain.passes.kit.manager import PassError, build_pipeline, run_pipeline
 
     recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
     dims = Dims.from_recipe(recipe)

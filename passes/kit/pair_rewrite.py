@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.fx
 
-from b12x_toolchain.passes.dependency import dependency_graph, order
+from b12x_toolchain.passes.kit.dependency import dependency_graph, order
 
 
 def named_args(node: torch.fx.Node) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.fx
 
 from b12x_toolchain.passes.fuse_window_snapshot import FuseWindowSnapshot
-from b12x_toolchain.passes.invariants import check_invariants, signature
+from b12x_toolchain.passes.kit.invariants import check_invariants, signature
 
 REGISTRY = {FuseWindowSnapshot.name: FuseWindowSnapshot}
 
