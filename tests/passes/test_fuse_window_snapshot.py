@@ -17,26 +17,12 @@ from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, ring, staging, kv, row_input, layer_inputs, export,
+    structure,
 )
 
 
 def call_targets(gm: torch.fx.GraphModule) -> list:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
-
-
-def structure(gm: torch.fx.GraphModule) -> list:
-    """Every node as (op, target, args), argument nodes replaced by their position.
-
-    Two graphs with the same structure compute the same thing whatever their nodes are
-    called; placeholders keep their names because they are the calling convention.
-    """
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    rows = []
-    for n in gm.graph.nodes:
-        args = torch.fx.node.map_arg(n.args, lambda a: ("node", index[a]))
-        target = n.target if n.op == "placeholder" else str(n.target)
-        rows.append((n.op, target, args))
-    return rows
 
 
 def node_list(gm: torch.fx.GraphModule) -> list:
