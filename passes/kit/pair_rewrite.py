@@ -47,7 +47,7 @@ class PairRewrite(RewritePass):
                         yield first, node
                         break
 
-    def _fused_args(self, first: torch.fx.Node, second: torch.fx.Node) -> dict:
+    def _fused_op_args(self, first: torch.fx.Node, second: torch.fx.Node) -> dict:
         """The fused op's arguments by schema name, taken from the pair's."""
         source = {"first": named_args(first), "second": named_args(second)}
         return {fused_name: source[side][name] for fused_name, (side, name) in self.fused_args}
@@ -64,7 +64,7 @@ class PairRewrite(RewritePass):
             # depends on its effect (reader/writer of what it touches) runs in between.
             if not any(s is not second and order(dag, s) < order(dag, second) for s in dag.successors(first))
         ]
-        fused = [self._fused_args(first, second) for first, second in legal]
+        fused = [self._fused_op_args(first, second) for first, second in legal]
         if self.check is not None:  # refuse before touching the graph: no half-rewritten result
             for named in fused:
                 self.check(named)
