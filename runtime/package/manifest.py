@@ -22,6 +22,9 @@ from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
 from b12x_toolchain.runtime.package.contract import BufferInfo
 from b12x_toolchain.runtime.package.conventions import PassEntry, read_passes, shared_buffers
+from b12x_toolchain.runtime.package.manifest_sections import WHERE, expect, expect_keys, is_count, is_str_map
+from b12x_toolchain.runtime.package.manifest_sections import (ModelFacts, RewriteResult, Rewrites,  # noqa: F401
+                                                              WeightTensor, Weights)  # (re-exported: the sections)
 from b12x_toolchain.runtime.parallel.mapping import Mapping
 
 # major.minor: another major is refused, an older minor accepted. 1.1 added external
@@ -37,33 +40,9 @@ from b12x_toolchain.runtime.parallel.mapping import Mapping
 FORMAT_VERSION = "4.1"
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
-WHERE = "manifest.json"
 FIELDS = ("format_version", "opset_version", "name", "recipe", "recipe_sha256", "model", "passes", "buffers",
           "cache_formats", "abi_fingerprint", "rewrites", "weights", "versions", "files", "manifest_sha256")
 OPTIONAL = ("parallel",)  # a package for one device has none
-MODEL_FIELDS = ("family", "vocab_size", "max_seq_len", "noise_token_id", "confidence_threshold")
-REWRITE_FIELDS = ("matches", "nodes_before", "nodes_after")
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _str_map(value) -> bool:
-    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
-
-
-def _expect(ok: bool, field: str, value, expected: str) -> None:
-    if not ok:
-        raise PackageError(f"{WHERE}: {field}: {value!r:.200} is not {expected}")
-
-
-def _keys(data: dict, field: str, required, optional=()) -> None:
-    missing = sorted(set(required) - set(data))
-    unknown = sorted(set(data) - set(required) - set(optional))
-    if missing or unknown:
-        problems = ([f"fields missing {missing}"] if missing else []) + ([f"unknown fields {unknown}"] if unknown else [])
-        raise PackageError(f"{WHERE}: {field}: {'; '.join(problems)}")
 
 
 def digest(data: dict) -> str:
@@ -76,149 +55,6 @@ def abi_fingerprint(passes: dict[str, PassEntry], buffers: dict[str, BufferInfo]
     """The ABI fingerprint of typed conventions (abi.py): what the writer records."""
     return fingerprint(contract({n: p.to_json() for n, p in passes.items()},
                                 {n: b.to_json() for n, b in buffers.items()}, cache_formats))
-
-
-# -- the sections -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    family: str
-    vocab_size: int
-    max_seq_len: int
-    noise_token_id: int
-    confidence_threshold: float
-    capabilities: dict[str, bool] | None = None  # the snapshot flags (prefix/snapshot.py); None: not declared
-
-    def to_json(self) -> dict:
-        out = {f: getattr(self, f) for f in MODEL_FIELDS}
-        if self.capabilities is not None:
-            out["capabilities"] = dict(self.capabilities)
-        return out
-
-    @classmethod
-    def from_json(cls, data) -> "ModelFacts":
-        _expect(isinstance(data, dict), "model", data, "an object")
-        _keys(data, "model", MODEL_FIELDS, ("capabilities",))
-        _expect(isinstance(data["family"], str), "model.family", data["family"], "a string")
-        for field in ("vocab_size", "max_seq_len"):
-            _expect(_count(data[field]) and data[field] > 0, f"model.{field}", data[field], "a positive integer")
-        _expect(_count(data["noise_token_id"]) and 0 <= data["noise_token_id"] < data["vocab_size"],
-                "model.noise_token_id", data["noise_token_id"], "a token id below vocab_size")
-        threshold = data["confidence_threshold"]
-        _expect(isinstance(threshold, (int, float)) and not isinstance(threshold, bool),
-                "model.confidence_threshold", threshold, "a number")
-        caps = data.get("capabilities")
-        _expect(caps is None or (isinstance(caps, dict) and all(isinstance(v, bool) for v in caps.values())),
-                "model.capabilities", caps, "an object of flags")
-        return cls(data["family"], data["vocab_size"], data["max_seq_len"], data["noise_token_id"], threshold,
-                   None if caps is None else dict(caps))
-
-
-@dataclass(frozen=True)
-class RewriteResult:
-    """What one rewrite did to one pass's graph (passes/manager.py's PassRecord)."""
-
-    matches: int
-    nodes_before: int
-    nodes_after: int
-
-    def to_json(self) -> dict:
-        return {f: getattr(self, f) for f in REWRITE_FIELDS}
-
-
-@dataclass(frozen=True)
-class Rewrites:
-    pipeline: tuple[str, ...]  # the rewrites run, in order; empty for an unfused package
-    results: dict[str, dict[str, RewriteResult]]  # pass -> rewrite -> result
-
-    def to_json(self) -> dict:
-        return {"pipeline": list(self.pipeline),
-                "results": {p: {r: res.to_json() for r, res in by.items()} for p, by in self.results.items()}}
-
-    @classmethod
-    def from_json(cls, data) -> "Rewrites":
-        _expect(isinstance(data, dict), "rewrites", data, "an object")
-        _keys(data, "rewrites", ("pipeline", "results"))
-        pipeline, results = data["pipeline"], data["results"]
-        _expect(isinstance(pipeline, list) and all(isinstance(n, str) for n in pipeline), "rewrites.pipeline",
-                pipeline, "a list of rewrite names")
-        _expect(isinstance(results, dict) and all(isinstance(v, dict) for v in results.values()),
-                "rewrites.results", results, "an object of pass -> rewrite -> result")
-        typed = {}
-        for pass_name, by_rewrite in results.items():
-            typed[pass_name] = {}
-            for rewrite, result in by_rewrite.items():
-                field = f"rewrites.results.{pass_name}.{rewrite}"
-                _expect(isinstance(result, dict), field, result, "an object")
-                _keys(result, field, REWRITE_FIELDS)
-                for name in REWRITE_FIELDS:
-                    _expect(_count(result[name]) and result[name] >= 0, f"{field}.{name}", result[name],
-                            "a non-negative integer")
-                typed[pass_name][rewrite] = RewriteResult(**result)
-        return cls(tuple(pipeline), typed)
-
-
-@dataclass(frozen=True)
-class WeightTensor:
-    """A tensor a structural package needs from a checkpoint (weight_binding.py)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    sha256: str | None = None  # recorded when the exporter was given a checkpoint index
-
-    def to_json(self) -> dict:
-        out = {"dtype": self.dtype, "shape": list(self.shape)}
-        if self.sha256 is not None:
-            out["sha256"] = self.sha256
-        return out
-
-
-@dataclass(frozen=True)
-class Weights:
-    """Where the weights come from: a file of the package (`file`; None in a parallel package,
-    whose ranks name theirs) or, `external`, a checkpoint holding `tensors`."""
-
-    source: str
-    file: str | None = None
-    external: bool = False
-    tensors: dict[str, WeightTensor] | None = None
-
-    def to_json(self) -> dict:
-        if self.external:
-            return {"external": True, "source": self.source,
-                    "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
-        return {"file": self.file, "source": self.source}
-
-    @classmethod
-    def from_json(cls, data) -> "Weights":
-        if not isinstance(data, dict):
-            raise PackageError(f"{WHERE}: 'weights' is missing or not an object")
-        external = data.get("external", False)
-        _expect(isinstance(external, bool), "weights.external", external, "a boolean")
-        _expect(isinstance(data.get("source"), str), "weights.source", data.get("source"), "a string")
-        if not external:
-            _keys(data, "weights", ("file", "source"), ("external",))
-            _expect(data["file"] is None or isinstance(data["file"], str), "weights.file", data["file"],
-                    "a file name or null")
-            return cls(data["source"], data["file"])
-        _keys(data, "weights", ("external", "source"), ("tensors",))
-        tensors = data.get("tensors")
-        if not isinstance(tensors, dict):
-            raise PackageError(f"{WHERE}: weights are external but 'weights.tensors' is missing")
-        return cls(data["source"], None, True, {n: _weight_tensor(n, t) for n, t in tensors.items()})
-
-
-def _weight_tensor(name: str, data) -> WeightTensor:
-    field = f"weights.tensors.{name}"
-    _expect(isinstance(data, dict), field, data, "an object")
-    _keys(data, field, ("dtype", "shape"), ("sha256",))
-    shape, checksum = data["shape"], data.get("sha256")
-    _expect(isinstance(data["dtype"], str), f"{field}.dtype", data["dtype"], "a dtype name")
-    _expect(isinstance(shape, list) and all(_count(s) and s >= 0 for s in shape), f"{field}.shape", shape,
-            "a list of sizes")
-    _expect(checksum is None or isinstance(checksum, str), f"{field}.sha256", checksum, "a hex digest")
-    return WeightTensor(data["dtype"], tuple(shape), checksum)
 
 
 # -- the manifest ---------------------------------------------------------------------------
@@ -289,15 +125,15 @@ class Manifest:
         check_cache_formats(data.get("cache_formats"), buffers)
         parallel = None if data.get("parallel") is None else Mapping.from_json(data["parallel"], passes)
         for field in ("name", "recipe_sha256"):
-            _expect(isinstance(data.get(field), str) and data[field], field, data.get(field), "a non-empty string")
-        _expect(isinstance(data.get("recipe"), dict), "recipe", data.get("recipe"), "an object")
-        _expect(_str_map(data.get("versions")), "versions", data.get("versions"), "an object of version strings")
+            expect(isinstance(data.get(field), str) and data[field], field, data.get(field), "a non-empty string")
+        expect(isinstance(data.get("recipe"), dict), "recipe", data.get("recipe"), "an object")
+        expect(is_str_map(data.get("versions")), "versions", data.get("versions"), "an object of version strings")
         files = data.get("files")
-        if not (_str_map(files) and files):
+        if not (is_str_map(files) and files):
             raise PackageError(f"{WHERE}: 'files' is missing or empty")
         model, rewrites = ModelFacts.from_json(data.get("model")), Rewrites.from_json(data.get("rewrites"))
         weights = Weights.from_json(data.get("weights"))
-        _keys(data, "top level", FIELDS, OPTIONAL)  # only unknown fields are left to find
+        expect_keys(data, "top level", FIELDS, OPTIONAL)  # only unknown fields are left to find
         return cls(data["format_version"], data["opset_version"], data["name"], data["recipe"],
                        data["recipe_sha256"], model, passes, buffers, dict(data["cache_formats"]),
                        data["abi_fingerprint"], rewrites, weights, dict(data["versions"]), dict(files), parallel,
@@ -333,7 +169,7 @@ def check_versions(data: dict) -> None:
         )
     found = data.get("opset_version")
     if found != OPSET_VERSION:
-        older = _count(found) and 1 <= found < OPSET_VERSION
+        older = is_count(found) and 1 <= found < OPSET_VERSION
         advice = _recipe_hint(data) if older else "it is not an op set this runtime knows"
         raise PackageError(f"{WHERE}: opset_version {found!r} is unknown; this runtime has op set "
                            f"{OPSET_VERSION}: {advice}")
