@@ -27,7 +27,7 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.conventions import PassEntry, shared_buffers
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
 from b12x_toolchain.runtime.package.kinds import KINDS
-from b12x_toolchain.runtime.package.manifest import FORMAT_VERSION, REEXPORT, Manifest  # noqa: F401  (re-exported)
+from b12x_toolchain.runtime.package.manifest import Manifest
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.parallel.group import bind_group, refuse_collectives
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
