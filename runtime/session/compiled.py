@@ -47,7 +47,7 @@ def cache_root() -> Path:
 
 def cache_dir(package, device, root: str | Path | None = None) -> Path:
     """The directory for one package on one device type with this torch."""
-    digest = package.manifest["manifest_sha256"]  # the reader checked it covers every file
+    digest = package.manifest.manifest_sha256  # the reader checked it covers every file
     torch_version = torch.__version__.replace("+", "_")
     return Path(root or cache_root()) / digest[:32] / f"{torch.device(device).type}-torch{torch_version}"
 

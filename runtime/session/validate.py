@@ -81,15 +81,15 @@ def validate_inputs(session, info, values: dict) -> dict[str, torch.Tensor]:
     if not torch.equal(tensors[positions].cpu(), expected_pos):
         raise InputError(f"{positions}: {tensors[positions].tolist()} do not continue the slots' committed "
                          f"lengths {expected_pos.tolist()}")
-    model = session.package.manifest["model"]
+    model = session.package.manifest.model
     for name in info.inputs_of("token_ids"):
-        _in_range(name, tensors[name], 0, model["vocab_size"], "a token id")
+        _in_range(name, tensors[name], 0, model.vocab_size, "a token id")
     step = info.advances
     if step is not None:
         low = KINDS[specs[step].info.kind].count_min
         _in_range(step, tensors[step], low, info.width + 1, f"a row count of the {info.width}-wide pass")
     reach = tensors[positions].long() + (tensors[step].long() if step else info.width)
-    _in_range(positions, reach, 0, model["max_seq_len"] + 1,
+    _in_range(positions, reach, 0, model.max_seq_len + 1,
               f"{positions} + {step or 'width'} within max_seq_len")
     for pool, name in info.block_tables.items():
         if name in tensors:
