@@ -83,7 +83,7 @@ def _reusable(path: Path, recipe) -> bool:
         manifest = read_manifest(path)
     except Exception:  # noqa: BLE001  (unreadable or from another format version: export again)
         return False
-    return manifest["recipe_sha256"] == recipe.sha256() and bool(manifest["rewrites"]["pipeline"])
+    return manifest.recipe_sha256 == recipe.sha256() and bool(manifest.rewrites.pipeline)
 
 
 def package_path(recipe, directory: Path, weights: dict, jobs: int = EXPORT_JOBS) -> Path:
@@ -104,7 +104,7 @@ def check_weights(pkgs) -> None:
     first = pkgs[0].weights
     for pkg in pkgs[1:]:
         if set(pkg.weights) != set(first) or not all(torch.equal(pkg.weights[k], first[k]) for k in first):
-            raise RuntimeError(f"{pkg.manifest['name']}: weights differ from {pkgs[0].manifest['name']}'s")
+            raise RuntimeError(f"{pkg.manifest.name}: weights differ from {pkgs[0].manifest.name}'s")
 
 
 def check_same(what: str, got: dict, expected: dict) -> None:
@@ -126,7 +126,7 @@ class Prefilled:
 
     def __init__(self, package, prompt: list[int]):
         self.package = package
-        self.max_seq_len = package.manifest["model"]["max_seq_len"]
+        self.max_seq_len = package.manifest.model.max_seq_len
         self.session = package.session(device="cpu", slots=1, max_rows=1)
         self.decoder = Decoder(self.session)
         self.prompt = prompt

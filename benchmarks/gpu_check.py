@@ -445,9 +445,10 @@ def node_types(graph) -> Counter:
 
 
 def graph_nodes(fused, unfused) -> None:
-    results = fused.package.manifest["rewrites"]["results"]
+    results = fused.package.manifest.rewrites.results
     for pass_name in ("verify", "draft", "prefill", "commit"):
-        matches = results.get(pass_name, {}).get("fuse_window_snapshot", {}).get("matches", 0)
+        fusion = results.get(pass_name, {}).get("fuse_window_snapshot")
+        matches = fusion.matches if fusion is not None else 0
         for rows in sorted(fused.buckets[pass_name]):
             f = node_types(fused.graphs.graph(pass_name, rows))
             u = node_types(unfused.graphs.graph(pass_name, rows))

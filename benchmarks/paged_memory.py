@@ -214,7 +214,7 @@ class PeakSampler:
 def serve(package, requests, slots: int = SLOTS) -> dict:
     """Serve `requests` on a session whose pools hold what they may reserve; byte counts at the peak."""
     pools = pool_bytes(package_cache_specs(package))
-    max_seq_len = package.manifest["model"]["max_seq_len"]
+    max_seq_len = package.manifest.model.max_seq_len
     pages = pages_wanted(pools, requests, package.passes["verify"].width, max_seq_len)
     session = package.session(device="cpu", slots=slots, pages=pages)
     sampler = PeakSampler(session)

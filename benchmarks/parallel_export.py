@@ -31,6 +31,7 @@ import json, resource, sys, tempfile, time, yaml
 from pathlib import Path
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.runtime.package.reader import read_manifest
 if __name__ == "__main__":
     mapping, jobs = json.loads(sys.argv[1]), int(sys.argv[2])
     data = load_recipe("dsv41").normalized()
@@ -39,11 +40,11 @@ if __name__ == "__main__":
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = export_package(recipe, Path(tmp), structural=True, jobs=jobs)
-        manifest = json.loads((result.path / "manifest.json").read_text())
+        exported = read_manifest(result.path).parallel
     wall = time.perf_counter() - started
     own, workers = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     cpu = sum(u.ru_utime + u.ru_stime for u in (own, workers))
-    print(json.dumps({"wall": wall, "cpu": cpu, "collectives": manifest["parallel"]["collectives"],
+    print(json.dumps({"wall": wall, "cpu": cpu, "collectives": exported.collectives,
                       "peak": max([own.ru_maxrss * 1024, *result.peak_rss_bytes.values()])}))
 """
 
@@ -60,6 +61,7 @@ def _recipe(mapping: dict):
     import yaml
 
     from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.runtime.package.reader import read_manifest
 
     data = load_recipe("dsv41").normalized()
     data["parallel"] = mapping

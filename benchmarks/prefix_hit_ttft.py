@@ -125,7 +125,7 @@ def measure(package, settings: Settings, prefixes=PREFIXES, tail: int = TAIL, co
             hit()  # cheap; a cold round is not, and the first is no different from the next
         rounds = Settings(repeat=min(settings.repeat, cold_rounds.get(n, 1)), warmup=0)
         params = {"prefix": n, "tail": tail, "prompt": n + tail, "first_token_identical": True,
-                  "max_seq_len": package.manifest["model"]["max_seq_len"]}
+                  "max_seq_len": package.manifest.model.max_seq_len}
         m = compare_rates("prefix_hit_ttft.hit_vs_cold", f"prefix {size_label(n)} + {tail}", cold, hit, rounds,
                           "cold prefill", "L1 hit", "ms", params)
         m.params["speedup"] = m.baseline / m.candidate

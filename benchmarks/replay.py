@@ -86,21 +86,21 @@ def check_same(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
         raise RuntimeError(f"{what}: outputs differ, so their timings are not comparable\n{exc}") from None
 
 
-def node_counts(fused_manifest: dict, unfused_manifest: dict) -> list:
+def node_counts(fused_manifest, unfused_manifest) -> list:
     """Graph sizes before and after the rewrite pipeline, per pass.
 
     An unfused package runs an empty pipeline, so its manifest records no node counts;
     the fused package's first rewrite saw the very same captured graph, so its
     `nodes_before` is the unfused size and the last rewrite's `nodes_after` the fused one.
     """
-    if unfused_manifest["rewrites"]["pipeline"]:
-        raise RuntimeError(f"the unfused package ran rewrites {unfused_manifest['rewrites']['pipeline']}")
-    pipeline = fused_manifest["rewrites"]["pipeline"]
+    if unfused_manifest.rewrites.pipeline:
+        raise RuntimeError(f"the unfused package ran rewrites {list(unfused_manifest.rewrites.pipeline)}")
+    pipeline = list(fused_manifest.rewrites.pipeline)
     out = []
-    for pass_name, results in fused_manifest["rewrites"]["results"].items():
+    for pass_name, results in fused_manifest.rewrites.results.items():
         records = [results[name] for name in pipeline]
-        out.append(compare_counts("replay.graph_nodes", pass_name, records[0]["nodes_before"],
-                                  records[-1]["nodes_after"], "nodes", "unfused", "fused",
+        out.append(compare_counts("replay.graph_nodes", pass_name, records[0].nodes_before,
+                                  records[-1].nodes_after, "nodes", "unfused", "fused",
                                   {"pass": pass_name, "rewrites": pipeline}))
     return out
 
@@ -114,7 +114,7 @@ def packages(recipe, settings: Settings):
     if settings.packages is not None:
         for path, fused in zip(settings.packages, (True, False)):
             manifest = read_manifest(path)  # checked before anything is loaded
-            if manifest["recipe_sha256"] != recipe.sha256() or bool(manifest["rewrites"]["pipeline"]) != fused:
+            if manifest.recipe_sha256 != recipe.sha256() or bool(manifest.rewrites.pipeline) != fused:
                 raise SystemExit(f"--packages: {path} is not the {'fused' if fused else 'unfused'} "
                                  f"export of the {RECIPE} recipe")
         return [load(path) for path in settings.packages]

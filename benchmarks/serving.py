@@ -53,7 +53,7 @@ def speculative_vs_plain(session, settings: Settings):
     package = session.package
     prompt = prompts(package, 1)[0]
     truth = Engine(session, speculative=False).generate([Request(prompt, NEW_TOKENS)])[0].tokens
-    drafter = oracle_drafter(truth, package.passes["draft"].width, package.manifest["model"]["noise_token_id"])
+    drafter = oracle_drafter(truth, package.passes["draft"].width, package.manifest.model.noise_token_id)
     last = {}
 
     def decode_rate(label: str, **options):

@@ -69,7 +69,7 @@ def fp32_variant(recipe):
 
 
 def package_recipe(package):
-    data = package.manifest["recipe"]
+    data = package.manifest.recipe
     return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
 
 
@@ -168,7 +168,7 @@ def measure(package, settings: Settings, prompt_tokens: int = PROMPT_TOKENS, new
     recipe = package_recipe(package)
     label = label or recipe.name
     width = package.passes["verify"].width
-    if prompt_tokens + new_tokens + width > package.manifest["model"]["max_seq_len"]:
+    if prompt_tokens + new_tokens + width > package.manifest.model.max_seq_len:
         raise ValueError(f"{prompt_tokens} prompt + {new_tokens} new tokens do not fit max_seq_len")
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(0, package.vocab_size, (prompt_tokens,), generator=gen).tolist()
@@ -182,7 +182,7 @@ def measure(package, settings: Settings, prompt_tokens: int = PROMPT_TOKENS, new
     # The streams, once, untimed: what each side decodes, and the oracle's truth.
     theirs, _ = reference.decode(new_tokens)
     plain, _, plain_decoder = b12x_decode(session, prompt, new_tokens)
-    drafter = oracle_drafter(plain, package.passes["draft"].width, package.manifest["model"]["noise_token_id"])
+    drafter = oracle_drafter(plain, package.passes["draft"].width, package.manifest.model.noise_token_id)
     spec, _, spec_decoder = b12x_decode(session, prompt, new_tokens, drafter)
     plain_check = agreement(label, "b12x and transformers", plain[:new_tokens], theirs,
                             plain_decoder.margins[0], reference.margins)

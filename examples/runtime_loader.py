@@ -14,7 +14,7 @@ from b12x_toolchain.runtime import Decoder, load
 
 def main(path: str) -> None:
     package = load(path)  # checks format/op-set versions and every file's sha256
-    print(f"loaded {package.manifest['name']}  abi {package.abi_fingerprint[:16]}")
+    print(f"loaded {package.manifest.name}  abi {package.abi_fingerprint[:16]}")
 
     # Caches, staging and outputs are allocated once here and never move afterwards;
     # every pass is prepared for each rows bucket up to max_rows.

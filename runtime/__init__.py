@@ -12,6 +12,7 @@ _PUBLIC = {
     "Package": "package.reader",
     "PackageError": "package.reader",
     "read_manifest": "package.reader",
+    "Manifest": "package.manifest",
     "Session": "session.session",
     "Engine": "serving.engine",
     "Decoder": "serving.speculative",

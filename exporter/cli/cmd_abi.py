@@ -29,8 +29,8 @@ def diff(a, b):
         manifest_a, manifest_b = read_manifest(a), read_manifest(b)
     except PackageError as exc:
         fail(str(exc))
-    lines = diff_manifests(manifest_a, manifest_b)
-    fp_a, fp_b = manifest_a["abi_fingerprint"], manifest_b["abi_fingerprint"]
+    lines = diff_manifests(manifest_a.to_json(), manifest_b.to_json())  # a diff of the documents as written
+    fp_a, fp_b = manifest_a.abi_fingerprint, manifest_b.abi_fingerprint
     if not lines and fp_a == fp_b:
         click.echo(f"ABI identical: {fp_a}")
         return

@@ -21,42 +21,38 @@ def _console() -> Console:
     return shared if shared.is_terminal else Console(width=max(shared.width, 160))
 
 
-def _described(spec: dict, buffers: dict, row_inputs: dict) -> tuple[str, str, str]:
-    """kind, owner (layer N / stage N) and rows (format x dims, /ratio) of one buffer; '-' where none applies."""
-    info = buffers.get(spec["name"]) if spec["role"] in ("cache", "staging") else None
+def _described(info) -> tuple[str, str, str]:
+    """kind, owner (layer N / stage N) and rows (format x dims, /ratio) of a buffer's info; '-' where none applies."""
     if info is None:
-        return row_inputs.get(spec["name"], "-"), "-", "-"
-    owner = f"layer {info['layer']}" if info["layer"] is not None else \
-        f"stage {info['stage']}" if info["stage"] is not None else "-"
-    fmt = f"{info['format']} x{info['dims']}" if info["format"] else "-"
-    if info["ratio"] not in (None, 1):
-        fmt += f" /{info['ratio']}"
-    return info["kind"], owner, fmt
+        return "-", "-", "-"
+    owner = f"layer {info.layer}" if info.layer is not None else f"stage {info.stage}" if info.stage is not None else "-"
+    fmt = f"{info.format} x{info.dims}" if info.format else "-"
+    if info.ratio not in (None, 1):
+        fmt += f" /{info.ratio}"
+    return info.kind, owner, fmt
 
 
-def _summary(manifest: dict) -> None:
+def _summary(manifest) -> None:
+    """`manifest`: the typed Manifest (runtime/package/manifest.py)."""
     console = _console()
-    console.print(f"[bold]{manifest['name']}[/]  format {manifest['format_version']}  op set {manifest['opset_version']}"
-                  f"  abi {manifest['abi_fingerprint']}", highlight=False)
-    parallel = manifest.get("parallel")
+    console.print(f"[bold]{manifest.name}[/]  format {manifest.format_version}  op set {manifest.opset_version}"
+                  f"  abi {manifest.abi_fingerprint}", highlight=False)
+    parallel = manifest.parallel
     if parallel is not None:
-        collectives = ", ".join(f"{name} {sum(counts.values())}" for name, counts in parallel["collectives"].items())
-        console.print(f"parallel: tensor {parallel['tensor']}, expert {parallel['expert']} (world size "
-                      f"{parallel['world_size']}); {len(parallel['splits'])} weights split; collectives per "
+        collectives = ", ".join(f"{name} {sum(counts.values())}" for name, counts in (parallel.collectives or {}).items())
+        console.print(f"parallel: {parallel.describe()}; {len(parallel.splits)} weights split; collectives per "
                       f"rank: {collectives}", highlight=False)
-    buffers = manifest["buffers"]
-    for name, entry in manifest["passes"].items():
-        table = Table(title=f"pass {name}: width {entry['width']}, rows buckets {entry['rows_buckets']}")
+    for name, entry in manifest.passes.items():
+        table = Table(title=f"pass {name}: width {entry.width}, rows buckets {list(entry.rows_buckets)}")
         table.add_column("name", no_wrap=True)  # names are what a reader greps for: never folded
         for column in ("role", "dtype", "shape", "kind"):
             table.add_column(column)
-        for spec in entry["inputs"] + entry["outputs"]:
-            if spec["role"] != "weight":
-                table.add_row(spec["name"], spec["role"], spec["dtype"], str(spec["shape"]),
-                              _described(spec, buffers, entry["row_inputs"])[0])
-        weights = sum(1 for s in entry["inputs"] if s["role"] == "weight")
-        staged = f"; persists the staging of {entry['reads_staging_of']}" if entry["reads_staging_of"] else ""
-        table.caption = f"advances {entry['advances'] or '-'}{staged}; + {weights} weight inputs"
+        for spec in entry.inputs + entry.outputs:
+            if spec.role != "weight":
+                table.add_row(spec.name, spec.role, spec.dtype, str(list(spec.shape)), _described(spec.info)[0])
+        weights = sum(1 for s in entry.inputs if s.role == "weight")
+        staged = f"; persists the staging of {entry.reads_staging_of}" if entry.reads_staging_of else ""
+        table.caption = f"advances {entry.advances or '-'}{staged}; + {weights} weight inputs"
         console.print(table)
     described = Table(title="buffers: what each cache and staging buffer holds",
                       caption="owner: L target layer, S draft stage; rows: format x dims, /positions per row")
@@ -64,33 +60,33 @@ def _summary(manifest: dict) -> None:
         described.add_column(column, no_wrap=True)
     described.add_column("owner")
     described.add_column("rows", no_wrap=True)
-    for name in buffers:
-        kind, owner, rows = _described({"name": name, "role": "cache"}, buffers, {})
+    for name, info in manifest.buffers.items():
+        kind, owner, rows = _described(info)
         described.add_row(name, kind, owner.replace("layer ", "L").replace("stage ", "S"), rows)
     console.print(described)
     formats = Table(title="cache formats: whose bytes the caches hold",
-                    caption=f"records of flashinfer-python {manifest['versions']['flashinfer_pin']}, the pinned release")
+                    caption=f"records of flashinfer-python {manifest.versions['flashinfer_pin']}, the pinned release")
     for column in ("format", "convention"):
         formats.add_column(column, no_wrap=True)
-    for name, convention in manifest["cache_formats"].items():
+    for name, convention in manifest.cache_formats.items():
         formats.add_row(name, convention)
     console.print(formats)
-    rewrites = Table(title=f"rewrites: {manifest['rewrites']['pipeline'] or 'none'}")
+    rewrites = Table(title=f"rewrites: {list(manifest.rewrites.pipeline) or 'none'}")
     for column in ("pass", "rewrite", "matches", "nodes before", "nodes after"):
         rewrites.add_column(column)
-    for pass_name, results in manifest["rewrites"]["results"].items():
+    for pass_name, results in manifest.rewrites.results.items():
         for rewrite, r in results.items():
-            rewrites.add_row(pass_name, rewrite, str(r["matches"]), str(r["nodes_before"]), str(r["nodes_after"]))
+            rewrites.add_row(pass_name, rewrite, str(r.matches), str(r.nodes_before), str(r.nodes_after))
     console.print(rewrites)
-    if manifest["weights"].get("external"):
-        tensors = manifest["weights"]["tensors"]
-        checked = sum(1 for t in tensors.values() if "sha256" in t)
+    if manifest.weights.external:
+        tensors = manifest.weights.tensors
+        checked = sum(1 for t in tensors.values() if t.sha256)
         console.print(f"weights: external, {len(tensors)} tensors ({checked} with sha256), bound at load time",
                       highlight=False)
     files = Table(title="files")
     files.add_column("file")
     files.add_column("sha256")
-    for name, digest in manifest["files"].items():
+    for name, digest in manifest.files.items():
         files.add_row(name, digest)
     console.print(files)
 
@@ -126,13 +122,13 @@ def inspect(package, as_json, graph_pass, dot_path, onnx_dir, rank):
     if dot_path is not None and graph_pass is None:
         fail("--dot needs --graph PASS")
     try:
-        parallel = read_manifest(package).get("parallel") is not None
+        parallel = read_manifest(package).parallel is not None
         # Every check but the process group's: inspecting a rank needs none.
         pkg = load(package, rank=(rank or 0) if parallel else rank, join_group=False)
     except PackageError as exc:
         fail(str(exc))
     if as_json:
-        click.echo(json.dumps(pkg.manifest, indent=2, sort_keys=True))
+        click.echo(json.dumps(pkg.manifest.to_json(), indent=2, sort_keys=True))
     elif graph_pass is not None:
         from b12x_toolchain.exporter.views.graph_text import graph_dot, graph_text
 

@@ -145,10 +145,10 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
             loaded = load(package)
         else:
             loaded = load(package, rank=ranks.join_group(), peer_timeout=ranks.PEER_TIMEOUT)
-        model = loaded.manifest["model"]
+        model = loaded.manifest.model
         for request, origin in items:  # before any replay, naming the line to fix
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
-                          model["vocab_size"], model["max_seq_len"])
+                          model.vocab_size, model.max_seq_len)
         buckets = loaded.passes["verify"].rows_buckets
         session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]), pages=pages,
                                  cache_bytes=cache_bytes, compile=compiled)

@@ -30,7 +30,7 @@ def verify(a, b, seed, trials, atol, rtol, checkpoint):
     tolerance = Tolerance(atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
     try:
         # --weights binds only structural packages; a full package replays its own weights.
-        external = [read_manifest(path)["weights"].get("external") for path in (a, b)]
+        external = [read_manifest(path).weights.external for path in (a, b)]
         packages = [load(path, weights=checkpoint if ext else None) for path, ext in zip((a, b), external)]
         checks = verify_packages(*packages, seed=seed, trials=trials, tolerance=tolerance)
     except ValueError as exc:  # PackageError, VerifyError, or an input B's rows buckets cannot take

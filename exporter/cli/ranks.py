@@ -37,14 +37,13 @@ def check_world(package: str, nproc: int, nnodes: int) -> None:
     from b12x_toolchain.runtime.package.reader import read_manifest
 
     try:
-        parallel = read_manifest(package).get("parallel")
+        parallel = read_manifest(package).parallel
     except PackageError as exc:
         fail(str(exc))
     world = nproc * nnodes
-    exported = 1 if parallel is None else parallel["world_size"]
+    exported = 1 if parallel is None else parallel.world_size
     if world != exported:
-        what = "one device" if parallel is None else \
-            f"tensor {parallel['tensor']}, expert {parallel['expert']} (world size {exported})"
+        what = "one device" if parallel is None else parallel.describe()
         fail(f"--nproc {nproc} x --nnodes {nnodes} makes world size {world}; {package} was exported for {what}")
 
 

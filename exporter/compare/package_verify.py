@@ -112,7 +112,7 @@ class Pair:
         self.slots = slots
 
     def make_room(self, row_ids: list[int], width: int) -> None:
-        limit = self.sessions[0].package.manifest["model"]["max_seq_len"]
+        limit = self.sessions[0].package.manifest.model.max_seq_len
         for slot in row_ids:
             if self.sessions[0].seq_lens[slot] + width > limit:
                 for session in self.sessions:

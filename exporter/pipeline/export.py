@@ -17,9 +17,11 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
 from b12x_toolchain.exporter.model.weights import init_weights
-from b12x_toolchain.passes.manager import PassRecord
-from b12x_toolchain.runtime.package.abi import contract, fingerprint
-from b12x_toolchain.runtime.package.contract import described
+from b12x_toolchain.passes.kit import PassResult
+from b12x_toolchain.runtime.package.contract import BufferInfo, described
+from b12x_toolchain.runtime.package.conventions import PassEntry
+from b12x_toolchain.runtime.package.manifest import (Manifest, ModelFacts, RewriteResult, Rewrites, Weights,
+                                                     abi_fingerprint)
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN  # the `cuda` extra pins exactly this version
 from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
@@ -32,7 +34,7 @@ from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-export
 class ExportResult:
     path: Path
     abi_fingerprint: str
-    records: dict[str, list[PassRecord]] = field(default_factory=dict)
+    records: dict[str, list[PassResult]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # per pass: capture, rewrites, serialisation
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # per pass: the same in CPU time
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # per pass: of the process that exported it
@@ -54,7 +56,7 @@ def tool_versions() -> dict:
     }
 
 
-def check_matches(recipe, pass_name: str, records: list[PassRecord]) -> None:
+def check_matches(recipe, pass_name: str, records: list[PassResult]) -> None:
     found = {r.name: r.matches for r in records}
     for rewrite in recipe.rewrites:
         expected = rewrite.expect_matches[pass_name]
@@ -65,36 +67,28 @@ def check_matches(recipe, pass_name: str, records: list[PassRecord]) -> None:
             )
 
 
-def pass_entry(module, rows_buckets, inputs: list, outputs: list, graph: str | None = None) -> dict:
+def pass_entry(module, rows_buckets, inputs: list, outputs: list, graph: str | None = None) -> PassEntry:
     """A pass's manifest entry: its calling convention and what a server drives it by (`graph`:
     the file of its graph, of rank 0 in a parallel package)."""
-    return {
-        "graph": graph or f"graphs/{module.name}.pt2",
-        "rows_buckets": list(rows_buckets),
-        "width": module.width(),
-        "advances": module.advances,
-        "reads_staging_of": module.reads_staging_of,
-        "row_inputs": {s.name: s.info.kind for s in inputs if s.role == "input"},
-        "inputs": [s.to_json() for s in inputs],
-        "outputs": [s.to_json() for s in outputs],
-    }
+    return PassEntry(module.name, graph or f"graphs/{module.name}.pt2", tuple(rows_buckets), module.width(),
+                     module.advances, module.reads_staging_of, tuple(inputs), tuple(outputs))
 
 
-def buffer_table(conventions: list[list]) -> dict[str, dict]:
+def buffer_table(conventions: list[list]) -> dict[str, BufferInfo]:
     """What every cache and staging buffer of the passes' inputs is, by name; passes sharing a
     buffer must agree on it."""
     table = {}
     for inputs in conventions:
         for spec in inputs:
             if described(spec.role):
-                entry = spec.info.to_json()
-                if table.setdefault(spec.name, entry) != entry:
-                    raise ExportError(f"buffer {spec.name}: passes describe it differently ({table[spec.name]} and {entry})")
+                if table.setdefault(spec.name, spec.info) != spec.info:
+                    raise ExportError(f"buffer {spec.name}: passes describe it differently "
+                                      f"({table[spec.name].to_json()} and {spec.info.to_json()})")
     return {name: table[name] for name in sorted(table)}
 
 
 def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | None = None,
-                   on_pass: Callable[[str, list[PassRecord]], None] | None = None, *,
+                   on_pass: Callable[[str, list[PassResult]], None] | None = None, *,
                    structural: bool = False, checksums: dict[str, str] | None = None,
                    dump_dir: Path | None = None, on_capture: Callable[[str], None] | None = None,
                    jobs: int = 1, weights_source: str | None = None) -> ExportResult:
@@ -135,13 +129,12 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         output = outputs[pass_label(name, ranks.ranks[0])]
         for rank in ranks.ranks:
             files[ranks.graph(name, rank)] = outputs[pass_label(name, rank)].graph
-        results[name] = {r.name: r.to_json() for r in output.records}
+        results[name] = {r.name: RewriteResult(**r.to_json()) for r in output.records}
         passes[name] = pass_entry(PASSES[name](d), getattr(recipe.passes, name).rows_buckets,
                                   output.inputs, output.outputs, ranks.graph(name, ranks.ranks[0]))
         all_records[name] = output.records
     buffers = buffer_table([outputs[pass_label(name, ranks.ranks[0])].inputs for name in recipe.pass_names])
     cache_formats = cache_formats_entry(buffers)
-    abi = fingerprint(contract(passes, buffers, cache_formats))
     ranks.check_conventions(outputs, recipe.pass_names)
     if structural:
         weights_entry = external_weights(d, checksums)
@@ -149,32 +142,17 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         for rank in ranks.ranks:
             files[ranks.weights_file(rank)] = weights_bytes(shards[rank])
         # A parallel package's weights are per rank: parallel.ranks[r].weights.
-        weights_entry = {"file": None if ranks.parallel else ranks.weights_file(None), "source": source}
-    manifest = {
-        "format_version": ranks.format_version,
-        "opset_version": OPSET_VERSION,
-        "name": recipe.name,
-        "recipe": recipe.normalized(),
-        "recipe_sha256": recipe.sha256(),
-        "model": {
-            "family": recipe.model.family,
-            "vocab_size": d.vocab,
-            "max_seq_len": d.max_seq_len,
-            "noise_token_id": d.noise_token_id,
-            "confidence_threshold": d.confidence_threshold,
-            # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.
-            "capabilities": snapshot_capabilities(PASSES["prefill"](d).caches(), d.max_seq_len),
-        },
-        "passes": passes,
-        "buffers": buffers,
-        "cache_formats": cache_formats,
-        "abi_fingerprint": abi,
-        "rewrites": {"pipeline": pipeline, "results": results},
-        "weights": weights_entry,
-        "versions": tool_versions(),
-    }
-    if ranks.parallel:
-        manifest["parallel"] = ranks.entry(outputs, recipe.pass_names, structural)
+        weights_entry = Weights(source, None if ranks.parallel else ranks.weights_file(None))
+    model = ModelFacts(
+        recipe.model.family, d.vocab, d.max_seq_len, d.noise_token_id, d.confidence_threshold,
+        # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.
+        snapshot_capabilities(PASSES["prefill"](d).caches(), d.max_seq_len))
+    manifest = Manifest(
+        format_version=ranks.format_version, opset_version=OPSET_VERSION, name=recipe.name,
+        recipe=recipe.normalized(), recipe_sha256=recipe.sha256(), model=model, passes=passes, buffers=buffers,
+        cache_formats=cache_formats, abi_fingerprint=abi_fingerprint(passes, buffers, cache_formats),
+        rewrites=Rewrites(tuple(pipeline), results), weights=weights_entry, versions=tool_versions(),
+        parallel=ranks.mapping(outputs, recipe.pass_names, structural) if ranks.parallel else None)
     path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)
-    return ExportResult(path, manifest["abi_fingerprint"], all_records, {n: o.seconds for n, o in outputs.items()},
+    return ExportResult(path, manifest.abi_fingerprint, all_records, {n: o.seconds for n, o in outputs.items()},
                         {n: o.cpu_seconds for n, o in outputs.items()}, {n: o.peak_rss_bytes for n, o in outputs.items()})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
 import shutil
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+
+from b12x_toolchain.runtime.package.manifest import Manifest, digest
 
 
 def sha256(data: bytes) -> str:
@@ -61,24 +62,18 @@ def weights_bytes(weights: dict[str, torch.Tensor]) -> bytes:
 
 
 def manifest_digest(manifest: dict) -> str:
-    """sha256 of the manifest without its own digest: catches a flipped byte in it."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    """sha256 of a manifest's JSON without its own digest (for tests that edit one and sign it again)."""
+    return digest(manifest)
 
 
-def manifest_bytes(manifest: dict) -> bytes:
-    manifest = {**manifest, "manifest_sha256": manifest_digest(manifest)}
-    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-
-
-def write_package(target: Path, files: dict[str, bytes], manifest: dict) -> Path:
-    """Write `files` plus manifest.json (with every file's sha256) as directory `target`."""
+def write_package(target: Path, files: dict[str, bytes], manifest: Manifest) -> Path:
+    """Write `files` plus manifest.json (listing every file's sha256, signed) as directory `target`."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    manifest = {**manifest, "files": {name: sha256(data) for name, data in sorted(files.items())}}
+    manifest = manifest.signed({name: sha256(data) for name, data in files.items()})
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
-        for name, data in {**files, "manifest.json": manifest_bytes(manifest)}.items():
+        for name, data in {**files, "manifest.json": manifest.to_bytes()}.items():
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as handle:

@@ -14,7 +14,7 @@ from b12x_toolchain.exporter.errors import ExportError
 from b12x_toolchain.exporter.model.parallel import rank_weights, split_of
 from b12x_toolchain.exporter.model.weights import weight_specs
 from b12x_toolchain.exporter.pipeline.pass_export import pass_label
-from b12x_toolchain.runtime.parallel.mapping import Mapping
+from b12x_toolchain.runtime.parallel.mapping import Mapping, RankEntry
 
 SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT = "4.0", "4.1"
 
@@ -50,11 +50,10 @@ class RankFiles:
                     raise ExportError(f"pass {name}: rank {rank}'s calling convention differs from rank "
                                       f"{self.ranks[0]}'s; every rank of a mapping must take the same buffers")
 
-    def entry(self, outputs: dict, pass_names, structural: bool) -> dict:
+    def mapping(self, outputs: dict, pass_names, structural: bool) -> Mapping:
         """The manifest's `parallel` entry: the mapping, each rank's files, collectives per pass."""
-        ranks = [{"graphs": {name: self.graph(name, rank) for name in pass_names},
-                  "weights": None if structural else self.weights_file(rank)} for rank in self.ranks]
+        ranks = tuple(RankEntry({name: self.graph(name, rank) for name in pass_names},
+                                None if structural else self.weights_file(rank)) for rank in self.ranks)
         splits = {name: split for name in weight_specs(self.d) if (split := split_of(name, self.d)) is not None}
-        data = Mapping(self.d.tensor, self.d.expert, self.d.world_size, tuple(ranks), splits).to_json()
-        data["collectives"] = {name: outputs[pass_label(name, self.ranks[0])].collectives for name in pass_names}
-        return data
+        collectives = {name: outputs[pass_label(name, self.ranks[0])].collectives for name in pass_names}
+        return Mapping(self.d.tensor, self.d.expert, self.d.world_size, ranks, splits, collectives)

@@ -29,27 +29,24 @@ class Settings:
     checksums: dict | None
 
 
-def settings_from_manifest(manifest: dict, recipe=None, checksums: dict | None = None) -> Settings:
-    """How `manifest`'s package was exported. `recipe` replaces the recorded one (CI checks
+def settings_from_manifest(manifest, recipe=None, checksums: dict | None = None) -> Settings:
+    """How `manifest`'s package (a typed Manifest: runtime/package/manifest.py) was exported. `recipe` replaces the recorded one (CI checks
     that the recipe file in the repository still gives the committed package); `checksums`
     replace the recorded external-weight checksums (a checkpoint index given on the command line)."""
     if recipe is None:
-        try:
-            # YAML, not JSON text: PyYAML reads JSON's `1e-20` as a string, but dumps floats it can read.
-            recipe = parse_recipe(yaml.safe_dump(manifest["recipe"]), file="manifest.json#recipe")
-        except KeyError:
-            raise ReexportError("manifest.json: no recipe recorded") from None
+        # YAML, not JSON text: PyYAML reads JSON's `1e-20` as a string, but dumps floats it can read.
+        recipe = parse_recipe(yaml.safe_dump(manifest.recipe), file="manifest.json#recipe")
     rewrites = [r.name for r in recipe.rewrites]
-    pipeline = manifest.get("rewrites", {}).get("pipeline")
+    pipeline = list(manifest.rewrites.pipeline)
     if pipeline not in (rewrites, []):
         raise ReexportError(f"manifest.json: rewrite pipeline {pipeline} is neither the recipe's {rewrites} nor empty")
-    weights = manifest.get("weights", {})
-    structural = bool(weights.get("external"))
+    weights = manifest.weights
+    structural = weights.external
     if structural and checksums is None:
-        checksums = {name: t["sha256"] for name, t in weights.get("tensors", {}).items() if "sha256" in t}
+        checksums = {name: t.sha256 for name, t in weights.tensors.items() if t.sha256}
     seeded = f"random init, seed {recipe.model.init_seed}"
-    if not structural and weights.get("source") != seeded:
-        raise ReexportError(f"manifest.json: weights were {weights.get('source')!r}; only structural packages and "
+    if not structural and weights.source != seeded:
+        raise ReexportError(f"manifest.json: weights were {weights.source!r}; only structural packages and "
                             f"packages with {seeded!r} weights can be re-exported")
     return Settings(recipe, fuse=bool(pipeline), structural=structural, checksums=checksums)
 

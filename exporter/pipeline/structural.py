@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.parallel import rank_weight_specs
 from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.runtime.package.manifest import WeightTensor, Weights
 
 
 def fake_weights(d: Dims) -> dict[str, torch.Tensor]:
@@ -26,13 +27,10 @@ def fake_weights(d: Dims) -> dict[str, torch.Tensor]:
                 for name, (shape, dtype) in rank_weight_specs(d).items()}
 
 
-def external_weights(d: Dims, checksums: dict[str, str] | None = None) -> dict:
+def external_weights(d: Dims, checksums: dict[str, str] | None = None) -> Weights:
     """The manifest's `weights` entry of a structural package: what a checkpoint must hold (whole
     tensors; a parallel package's ranks cut their shards out by `parallel.splits`)."""
     checksums = checksums or {}
-    tensors = {}
-    for name, (shape, dtype) in weight_specs(d).items():
-        tensors[name] = {"dtype": dtype, "shape": list(shape)}
-        if name in checksums:
-            tensors[name]["sha256"] = checksums[name]
-    return {"external": True, "source": "external: bound from a checkpoint at load time", "tensors": tensors}
+    tensors = {name: WeightTensor(dtype, tuple(shape), checksums.get(name))
+               for name, (shape, dtype) in weight_specs(d).items()}
+    return Weights("external: bound from a checkpoint at load time", external=True, tensors=tensors)

@@ -14,7 +14,8 @@ from b12x_toolchain.runtime.formats.codecs import FORMATS, get_format
 
 
 def used_formats(buffers: dict) -> list[str]:
-    return sorted({info["format"] for info in buffers.values() if isinstance(info, dict) and info.get("format")})
+    """The formats a buffer table (name -> BufferInfo) names."""
+    return sorted({info.format for info in buffers.values() if info.format})
 
 
 def cache_formats_entry(buffers: dict) -> dict[str, str]:
@@ -22,11 +23,11 @@ def cache_formats_entry(buffers: dict) -> dict[str, str]:
     return {name: get_format(name).convention for name in used_formats(buffers)}
 
 
-def check_cache_formats(manifest: dict) -> None:
-    recorded = manifest.get("cache_formats")
+def check_cache_formats(recorded, buffers: dict) -> None:
+    """`recorded`: the manifest's cache_formats as written; `buffers`: its typed buffer table."""
     if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
         raise PackageError("manifest.json: 'cache_formats' is missing or not an object of format conventions")
-    used = used_formats(manifest.get("buffers") or {})
+    used = used_formats(buffers)
     for name in used:  # contract.py checked they are FORMATS
         if name not in recorded:
             raise PackageError(f"manifest.json: cache_formats does not say whose bytes format {name!r} holds")

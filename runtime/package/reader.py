@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import hashlib
 import io
-import json
 import os
 import stat
 from dataclasses import dataclass
@@ -24,41 +23,17 @@ from pathlib import Path
 import torch
 
 from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (graphs need the op set registered)
-from b12x_toolchain.runtime.package.abi import BufferSpec, contract, fingerprint
-from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
-from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buffer_table, check_row_inputs, described,
-                                                     pass_fields, row_input_info)
+from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.package.conventions import PassEntry, shared_buffers
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
 from b12x_toolchain.runtime.package.kinds import KINDS
+from b12x_toolchain.runtime.package.manifest import Manifest
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.parallel.group import bind_group, refuse_collectives
-from b12x_toolchain.runtime.parallel.mapping import read_mapping
-from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.strict_json import load_document
 
-# major.minor: another major is refused, an older minor accepted. 1.1 added external
-# weights (structural packages: weights.external, weights.tensors). 2.0 records what
-# every buffer is and what every pass does as data (contract.py) and calls op set 2.
-# 3.0 pages compressed entries and index keys ([pool, page_bytes] caches, a page spec per
-# cache, block tables as pass inputs) and calls op set 3. 4.0 stores DeepSeek V4.1's records
-# (formats renamed by convention) and records each format's convention (cache_formats.py).
-# The op set is versioned on its own: op set 4 adds hc_sinkhorn (mHC's Sinkhorn as one op),
-# and packages of op set 3 are refused with the same re-export advice. 4.1 adds parallel
-# packages (ranks' graphs and weights, the mapping as data: runtime/parallel/mapping.py);
-# a package for one device is still written as 4.0.
-FORMAT_VERSION = "4.1"
 MANIFEST_LIMIT = 16 << 20
-REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
-
-
-def _major_minor(text) -> tuple[int, int]:
-    try:
-        major, minor = (int(x) for x in str(text).split("."))
-        return major, minor
-    except ValueError:
-        raise PackageError(f"manifest.json: format_version {text!r} is not of the form MAJOR.MINOR") from None
-
 
 @dataclass
 class PassInfo:
@@ -110,30 +85,33 @@ class PassInfo:
 
 
 class Package:
-    def __init__(self, path: Path, manifest: dict, passes: dict[str, PassInfo], weights: dict[str, torch.Tensor]):
+    def __init__(self, path: Path, manifest: Manifest, passes: dict[str, PassInfo], weights: dict[str, torch.Tensor]):
         self.path, self.manifest, self.passes, self.weights = path, manifest, passes, weights
         self.mapping, self.rank = None, None  # a parallel package's mapping, and the rank loaded
         self.joined = True  # False: a parallel rank loaded for inspection, outside its process group
 
     @property
     def abi_fingerprint(self) -> str:
-        return self.manifest["abi_fingerprint"]
+        return self.manifest.abi_fingerprint
 
     @property
     def vocab_size(self) -> int:
-        return self.manifest["model"]["vocab_size"]
+        return self.manifest.model.vocab_size
 
     @functools.cached_property
     def buffers(self) -> dict[str, BufferSpec]:
-        """Every cache and staging buffer any pass binds, by name, with its info."""
-        return {s.name: s for info in self.passes.values() for s in info.inputs if described(s.role)}
+        """Every cache and staging buffer the passes bind, by name, with its spec and info: the one
+        table sessions, snapshots and prefix keys use (load checked that the passes agree on it)."""
+        return shared_buffers(self.passes)
 
-    def buffers_of(self, kind: str) -> list[str]:
-        return [name for name, spec in self.buffers.items() if spec.info.kind == kind]
+    @property
+    def caches(self) -> list[BufferSpec]:
+        """The persistent caches, by name."""
+        return [spec for spec in self.buffers.values() if spec.role == "cache"]
 
     @property
     def external_weights(self) -> bool:
-        return bool(self.manifest["weights"].get("external"))
+        return self.manifest.weights.external
 
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
@@ -182,80 +160,31 @@ def read_plain_file(path: Path, label: str, limit: int | None = None) -> bytes:
         return handle.read()
 
 
-def _read_manifest(root: Path) -> dict:
+def _read_manifest(root: Path) -> Manifest:
     path = root / "manifest.json"
     if not os.path.lexists(path):
         raise PackageError(f"{root}: no manifest.json; is this a b12x package?")
     return _read_manifest_file(path)
 
 
-def _read_manifest_file(path: Path) -> dict:
-    manifest = load_document(read_plain_file(path, "manifest.json", MANIFEST_LIMIT), "manifest.json")
-    if not isinstance(manifest, dict):
-        raise PackageError("manifest.json: top level is not an object")
-    return manifest
+def _read_manifest_file(path: Path) -> Manifest:
+    """The one check chain of a manifest (Manifest.from_json), after strict JSON."""
+    return Manifest.from_json(load_document(read_plain_file(path, "manifest.json", MANIFEST_LIMIT), "manifest.json"))
 
 
-def _check_digest(manifest: dict) -> None:
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    if manifest.get("manifest_sha256") != digest:
-        raise PackageError("manifest.json: manifest_sha256 does not match its contents (corrupted or edited)")
+def read_manifest(path) -> Manifest:
+    """The checked, typed manifest of a package directory, or of its manifest.json on its own.
 
-
-def _recipe_hint(manifest: dict) -> str:
-    name = manifest.get("name")
-    return REEXPORT.replace("RECIPE", name) if isinstance(name, str) and name.isprintable() and name else REEXPORT
-
-
-def _check_versions(manifest: dict) -> None:
-    major, minor = _major_minor(manifest.get("format_version"))
-    ours = _major_minor(FORMAT_VERSION)
-    if major < ours[0]:
-        raise PackageError(f"manifest.json: format_version {major}.{minor} is older than this runtime reads "
-                           f"({ours[0]}.0 to {ours[0]}.{ours[1]}); {_recipe_hint(manifest)}")
-    if major != ours[0] or minor > ours[1]:
-        raise PackageError(
-            f"manifest.json: format_version {major}.{minor} is not supported by this runtime "
-            f"(reads {ours[0]}.0 to {ours[0]}.{ours[1]}); it needs a newer b12x"
-        )
-    found = manifest.get("opset_version")
-    if found != OPSET_VERSION:
-        older = isinstance(found, int) and not isinstance(found, bool) and 1 <= found < OPSET_VERSION
-        advice = _recipe_hint(manifest) if older else "it is not an op set this runtime knows"
-        raise PackageError(f"manifest.json: opset_version {found!r} is unknown; this runtime has op set "
-                           f"{OPSET_VERSION}: {advice}")
-
-
-def read_manifest(path) -> dict:
-    """The checked manifest of a package directory, or of its manifest.json on its own.
-
-    Versions, the buffer and pass data and the ABI fingerprint are checked; files are not
-    read, so this is what tools that compare calling conventions use (a committed manifest
-    stands for its package).
+    Everything the manifest says is checked (manifest.py); files are not read, so this is
+    what tools that compare calling conventions use (a committed manifest stands for its
+    package). `load` runs the same checks, then those of files, graphs and weights.
     """
     path = Path(path)
     if path.is_file():  # a manifest named on its own may be a link, like a package root
-        manifest = _read_manifest_file(path.resolve())
-    elif path.is_dir():
-        manifest = _read_manifest(path.resolve())
-    else:
-        raise PackageError(f"{path}: neither a package directory nor a manifest.json")
-    _check_versions(manifest)
-    _check_fingerprint(manifest)
-    _conventions(manifest)
-    check_cache_formats(manifest)
-    return manifest
-
-
-def _check_fingerprint(manifest: dict) -> dict:
-    passes_json = manifest.get("passes")
-    if not isinstance(passes_json, dict) or not passes_json:
-        raise PackageError("manifest.json: 'passes' is missing or empty")
-    if fingerprint(contract(passes_json, manifest.get("buffers"), manifest.get("cache_formats"))) \
-            != manifest.get("abi_fingerprint"):
-        raise PackageError("manifest.json: abi_fingerprint does not match the calling conventions")
-    return passes_json
+        return _read_manifest_file(path.resolve())
+    if path.is_dir():
+        return _read_manifest(path.resolve())
+    raise PackageError(f"{path}: neither a package directory nor a manifest.json")
 
 
 def _safe_member(root: Path, name: str) -> Path:
@@ -285,10 +214,8 @@ def _tree(root: Path) -> set[str]:
     return files
 
 
-def _check_files(root: Path, manifest: dict) -> dict[str, bytes]:
-    listed = manifest.get("files")
-    if not isinstance(listed, dict) or not listed:
-        raise PackageError("manifest.json: 'files' is missing or empty")
+def _check_files(root: Path, manifest: Manifest) -> dict[str, bytes]:
+    listed = manifest.files  # a non-empty name -> sha256 table (manifest.py)
     paths = {name: _safe_member(root, name) for name in sorted(listed)}
     present = _tree(root) - {"manifest.json"}
     extra = sorted(present - set(listed))
@@ -318,71 +245,16 @@ def load_graph(file: str, data: bytes) -> torch.export.ExportedProgram:
     return program
 
 
-@dataclass
-class _Convention:
-    """A pass as the manifest declares it, before its graph is deserialised."""
-
-    name: str
-    graph: str
-    inputs: list[BufferSpec]
-    outputs: list[BufferSpec]
-    fields: PassFields
-
-
-def _specs(name: str, entry: dict, fields: PassFields, buffers: dict[str, BufferInfo]):
-    """The calling convention with every cache, staging and row input's info attached."""
-    try:
-        inputs = [BufferSpec.from_json(s) for s in entry["inputs"]]
-        outputs = [BufferSpec.from_json(s) for s in entry["outputs"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PackageError(f"manifest.json: passes.{name}: bad calling convention ({exc})") from None
-    return [_with_info(name, spec, fields, buffers) for spec in inputs], outputs
-
-
-def _with_info(pass_name: str, spec: BufferSpec, fields: PassFields, buffers: dict[str, BufferInfo]) -> BufferSpec:
-    if described(spec.role):
-        info = buffers[spec.name]  # buffer_table: every described name has an entry
-    elif spec.role == "input":
-        if spec.name not in fields.row_inputs:
-            raise PackageError(f"manifest.json: passes.{pass_name}.row_inputs: input {spec.name} has no kind")
-        info = row_input_info(pass_name, spec.name, fields.row_inputs[spec.name])
-    else:
-        return spec
-    try:
-        info.check(spec)
-    except ValueError as exc:
-        raise PackageError(f"manifest.json: {exc}") from None
-    return dataclasses.replace(spec, info=info)
-
-
-def _described_names(passes_json: dict) -> set[str]:
-    return {s.get("name") for e in passes_json.values() for s in (e.get("inputs") or [])
-            if isinstance(s, dict) and described(s.get("role"))}
-
-
-def _conventions(manifest: dict) -> dict[str, _Convention]:
-    """Every pass's convention and data, checked strictly (contract.py) before any file is used."""
-    passes_json = manifest["passes"]
-    fields = {name: pass_fields(name, entry, set(passes_json)) for name, entry in passes_json.items()}
-    buffers = buffer_table(manifest.get("buffers"), _described_names(passes_json))
-    out = {}
-    for name, entry in passes_json.items():
-        inputs, outputs = _specs(name, entry, fields[name], buffers)
-        check_row_inputs(name, fields[name], inputs)
-        out[name] = _Convention(name, entry["graph"], inputs, outputs, fields[name])
-    return out
-
-
-def _check_graph_file(convention: _Convention, contents: dict[str, bytes]) -> None:
+def _check_graph_file(convention: PassEntry, contents: dict[str, bytes]) -> None:
     if convention.graph not in contents:
         raise PackageError(f"manifest.json: passes.{convention.name}.graph {convention.graph!r} is not a listed file")
 
 
-def _pass_info(convention: _Convention, contents: dict[str, bytes]) -> PassInfo:
+def _pass_info(convention: PassEntry, contents: dict[str, bytes]) -> PassInfo:
     program = load_graph(convention.graph, contents[convention.graph])
-    f = convention.fields
-    return PassInfo(convention.name, program, convention.inputs, convention.outputs, list(f.rows_buckets), f.width,
-                    f.advances, f.reads_staging_of)
+    c = convention
+    return PassInfo(c.name, program, list(c.inputs), list(c.outputs), list(c.rows_buckets), c.width, c.advances,
+                    c.reads_staging_of)
 
 
 def load(path, weights=None, rank: int | None = None, peer_timeout: float | None = None,
@@ -400,15 +272,10 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
     if not given.is_dir():
         raise PackageError(f"{given}: not a package directory")
     root = given.resolve()  # the root may be a link (see above); what lies below it may not
-    manifest = _read_manifest(root)
-    _check_versions(manifest)
-    _check_digest(manifest)
+    manifest = _read_manifest(root)  # every check read_manifest makes
     contents = _check_files(root, manifest)
-    _check_fingerprint(manifest)
-    conventions = _conventions(manifest)
-    check_cache_formats(manifest)
-    mapping = read_mapping(manifest, conventions)
-    conventions = _rank_conventions(conventions, mapping, rank)
+    mapping = manifest.parallel
+    conventions = _rank_conventions(manifest.passes, mapping, rank)
     for convention in conventions.values():
         _check_graph_file(convention, contents)
     # Weights first: a bad checkpoint or weights file is refused before any graph is deserialised.
@@ -435,5 +302,5 @@ def _rank_conventions(conventions: dict, mapping, rank) -> dict:
                            "with load(path, rank=R)")
     if not (isinstance(rank, int) and 0 <= rank < mapping.world_size):
         raise PackageError(f"rank {rank!r} is out of range; the package was exported for {mapping.describe()}")
-    graphs = mapping.ranks[rank]["graphs"]
+    graphs = mapping.ranks[rank].graphs
     return {name: dataclasses.replace(c, graph=graphs[name]) for name, c in conventions.items()}

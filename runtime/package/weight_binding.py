@@ -31,21 +31,19 @@ def weight_inputs(passes: dict) -> dict[str, tuple[str, tuple]]:
     return specs
 
 
-def _external_list(entry: dict, expected: dict) -> dict[str, str]:
+def _external_list(weights, expected: dict) -> dict[str, str]:
     """Check weights.tensors against the weight inputs; returns the recorded checksums."""
-    tensors = entry.get("tensors")
-    if not isinstance(tensors, dict):
-        raise PackageError("manifest.json: weights are external but 'weights.tensors' is missing")
+    tensors = weights.tensors
     for name in sorted(set(tensors) | set(expected)):
         listed = tensors.get(name)
         if name not in expected:
             raise PackageError(f"manifest.json: weights.tensors lists {name}, which no pass takes")
-        if not isinstance(listed, dict):
+        if listed is None:
             raise PackageError(f"manifest.json: weights.tensors does not list {name}, which the passes take")
-        if (listed.get("dtype"), tuple(listed.get("shape") or ())) != expected[name]:
+        if (listed.dtype, listed.shape) != expected[name]:
             raise PackageError(f"manifest.json: weights.tensors.{name} does not match the pass inputs "
                                f"({expected[name][0]} {list(expected[name][1])})")
-    return {name: t["sha256"] for name, t in tensors.items() if t.get("sha256")}
+    return {name: t.sha256 for name, t in tensors.items() if t.sha256}
 
 
 def _check_embedded(name: str, weights: dict[str, torch.Tensor], expected: dict) -> None:
@@ -58,23 +56,22 @@ def _check_embedded(name: str, weights: dict[str, torch.Tensor], expected: dict)
                                f"the passes take {dtype} {list(shape)}")
 
 
-def bind_weights(manifest: dict, contents: dict[str, bytes], passes: dict, checkpoint=None, mapping=None,
+def bind_weights(manifest, contents: dict[str, bytes], passes: dict, checkpoint=None, mapping=None,
                  rank: int | None = None):
     """The weights a session binds, or None for a structural package loaded without a checkpoint.
 
-    A parallel package (`mapping`, runtime/parallel/mapping.py) binds rank `rank`'s shards:
-    stored per rank, or cut out of a whole checkpoint by the mapping's splits."""
-    entry = manifest.get("weights")
-    if not isinstance(entry, dict):
-        raise PackageError("manifest.json: 'weights' is missing or not an object")
+    `manifest`: the typed Manifest (manifest.py). A parallel package (`mapping`,
+    runtime/parallel/mapping.py) binds rank `rank`'s shards: stored per rank, or cut out of a
+    whole checkpoint by the mapping's splits."""
+    entry = manifest.weights
     expected = weight_inputs(passes)
     whole = expected if mapping is None else _whole(expected, mapping)
-    if entry.get("external"):
+    if entry.external:
         checksums = _external_list(entry, whole)
         return None if checkpoint is None else _shards(read_checkpoint(checkpoint, whole, checksums), mapping, rank)
     if checkpoint is not None:  # a checkpoint replaces the stored weights (same names and shapes)
         return _shards(read_checkpoint(checkpoint, whole), mapping, rank)
-    name = entry.get("file") if mapping is None else mapping.ranks[rank].get("weights")
+    name = entry.file if mapping is None else mapping.ranks[rank].weights
     if name not in contents:
         raise PackageError(f"manifest.json: weights file {name!r} is not a listed file")
     safetensors_header(contents[name], name)  # strict JSON first: no duplicated tensor names

@@ -77,7 +77,7 @@ class PrefixCache:
         self.every, self.end_of_prompt = every, end_of_prompt
         self.stats = PrefixStats()
         self._lock = threading.Lock()
-        caps = (package.manifest.get("model") or {}).get("capabilities") or {}
+        caps = package.manifest.model.capabilities or {}
         self.enabled = caps.get("supports_prefix_snapshot") is True
         self.rotating = caps.get("supports_rotating_cache_snapshot") is True
         self.reason = None if self.enabled else "the package does not declare supports_prefix_snapshot"

@@ -49,23 +49,19 @@ class Identity:
 
 
 def package_identity(package) -> Identity:
-    """The identity of a loaded package; fields missing from the manifest stay None,
-    so such a package can only ever match itself."""
+    """The identity of a loaded package (the weights' hash is None when they are external or
+    per rank)."""
     m = package.manifest
-    files = m.get("files") or {}
-    cache = (m.get("recipe") or {}).get("cache") or {}
-    caches = {}
-    for info in package.passes.values():
-        for spec in info.inputs:
-            if spec.role == "cache":
-                # Per slot (without "slots"), and what the rows are: kind, format, dims, ratio.
-                caches[spec.name] = [spec.dtype, list(spec.shape[1:]), spec.info.to_json() if spec.info else None]
+    cache = m.recipe.get("cache") or {}
+    # Per slot (without "slots"), and what the rows are: kind, format, dims, ratio.
+    caches = {spec.name: [spec.dtype, list(spec.shape[1:]), spec.info.to_json() if spec.info else None]
+              for spec in package.caches}
     return Identity.of({
         "schema": SNAPSHOT_SCHEMA,
-        "format_version": m.get("format_version"),
-        "opset_version": m.get("opset_version"),
-        "recipe_sha256": m.get("recipe_sha256"),
-        "weights_sha256": files.get((m.get("weights") or {}).get("file")),
+        "format_version": m.format_version,
+        "opset_version": m.opset_version,
+        "recipe_sha256": m.recipe_sha256,
+        "weights_sha256": m.files.get(m.weights.file),
         "cache_formats": {k: cache.get(f"{k}_format") for k in ("window", "compressed", "state")},
         "caches": caches,
     })

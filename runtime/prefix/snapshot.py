@@ -133,16 +133,11 @@ def cache_layout(specs, max_seq_len: int) -> dict[str, CacheKind]:
 
 
 def cache_specs(package) -> list:
-    specs = {}
-    for info in package.passes.values():
-        for spec in info.inputs:
-            if spec.role == "cache":
-                specs[spec.name] = spec
-    return [specs[name] for name in sorted(specs)]
+    return package.caches
 
 
 def package_layout(package) -> dict[str, CacheKind]:
-    return cache_layout(cache_specs(package), package.manifest["model"]["max_seq_len"])
+    return cache_layout(cache_specs(package), package.manifest.model.max_seq_len)
 
 
 def capabilities(specs, max_seq_len: int) -> dict[str, bool]:
@@ -199,7 +194,7 @@ class SnapshotCodec:
         self.identity = package_identity(package)
         self.layout = package_layout(package)
         self.seq_len = seq_len_buffer(cache_specs(package))
-        self.max_seq_len = package.manifest["model"]["max_seq_len"]
+        self.max_seq_len = package.manifest.model.max_seq_len
         windows = [k.capacity for k in self.layout.values() if k.window]
         self.window_capacity = min(windows) if windows else None
 

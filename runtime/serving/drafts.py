@@ -5,16 +5,17 @@ from __future__ import annotations
 import torch
 
 
-def confident_drafts(out: dict, manifest: dict) -> list[list[int]]:
+def confident_drafts(out: dict, manifest) -> list[list[int]]:
     """Greedy drafts per row from a draft pass's outputs, ended at the first row whose
     confidence (DSpark's sigmoid head) is below the package's threshold."""
     drafts = out["logits"].argmax(-1).tolist()
     return [d[:n] for d, n in zip(drafts, confident_lengths(out, manifest))]
 
 
-def confident_lengths(out: dict, manifest: dict) -> list[int]:
+def confident_lengths(out: dict, manifest) -> list[int]:
+    """`manifest`: the package's typed Manifest (runtime/package/manifest.py)."""
     rows, width = out["logits"].shape[:2]
-    threshold = manifest["model"].get("confidence_threshold", 0.0)
+    threshold = manifest.model.confidence_threshold
     if "confidence" not in out or threshold <= 0:
         return [width] * rows
     low = (out["confidence"] < threshold).to(torch.int64)

@@ -59,8 +59,8 @@ class Engine:
         self.seed, self.drafter, self.prefix_cache = seed, drafter, prefix_cache
         package = session.package
         self.vocab_size = package.vocab_size
-        self.max_seq_len = package.manifest["model"]["max_seq_len"]
-        self.noise = package.manifest["model"]["noise_token_id"]
+        self.max_seq_len = package.manifest.model.max_seq_len
+        self.noise = package.manifest.model.noise_token_id
         self.verify_width = package.passes["verify"].width
         self.draft_width = package.passes["draft"].width
         self.chunk = package.passes["prefill"].width

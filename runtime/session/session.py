@@ -101,13 +101,7 @@ class Session:
     # -- binding ------------------------------------------------------------------------
 
     def _shared_specs(self) -> dict[str, BufferSpec]:
-        specs = {}
-        for info in self.package.passes.values():
-            for spec in info.inputs:
-                if spec.role in ("cache", "staging"):
-                    if specs.setdefault(spec.name, spec) != spec:
-                        raise BufferError(f"{spec.name}: passes disagree on its spec")
-        return specs
+        return self.package.buffers  # the passes' agreement was checked at load
 
     def _page_specs(self) -> dict[str, list]:
         """Paged caches by pool: [(name, CachePages)]."""

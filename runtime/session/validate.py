@@ -83,15 +83,15 @@ def validate_inputs(session, info, values: dict) -> dict[str, torch.Tensor]:
     if not torch.equal(positions.cpu(), expected_pos):
         raise InputError(f"positions: {positions.tolist()} do not continue the slots' committed "
                          f"lengths {expected_pos.tolist()}")
-    model = session.package.manifest["model"]
+    model = session.package.manifest.model
     if "token_ids" in tensors:
-        _in_range("token_ids", tensors["token_ids"], 0, model["vocab_size"], "a token id")
+        _in_range("token_ids", tensors["token_ids"], 0, model.vocab_size, "a token id")
     step = info.advances_kind
     if step is not None:
         _in_range(step, tensors[step], KINDS[step].count_min, info.width + 1,
                   f"a row count of the {info.width}-wide pass")
     reach = positions.long() + (tensors[step].long() if step else info.width)
-    _in_range("positions", reach, 0, model["max_seq_len"] + 1, f"positions + {step or 'width'} within max_seq_len")
+    _in_range("positions", reach, 0, model.max_seq_len + 1, f"positions + {step or 'width'} within max_seq_len")
     for kind in sorted(tables & set(tensors)):
         _check_block_table(kind, tensors[kind], session.pools[KINDS[kind].pool], positions.long(),
                            tensors[step].long() if step else torch.zeros_like(reach))

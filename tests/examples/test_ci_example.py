@@ -19,6 +19,6 @@ def test_script_is_valid_bash():
 def test_every_bundled_recipe_has_a_structural_fingerprint():
     for recipe in bundled_recipes():
         manifest = read_manifest(CI / "fingerprints" / f"{recipe}.manifest.json")  # versions and ABI checked
-        assert manifest["name"] == recipe
-        assert manifest["weights"]["external"] is True
-        assert not any(name.startswith("weights") for name in manifest["files"])
+        assert manifest.name == recipe
+        assert manifest.weights.external is True
+        assert not any(name.startswith("weights") for name in manifest.files)

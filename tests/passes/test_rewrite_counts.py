@@ -22,22 +22,22 @@ def test_one_node_fewer_per_window_layer(fused_pkg, unfused_pkg, tiny_recipe):
         assert unfused["b12x_toolchain.window_snapshot_append.default"] == 0
         rest = lambda c: {k: v for k, v in c.items() if "window_snapshot" not in k and "cache_append" not in k}
         assert rest(fused) == rest(unfused)
-        record = fused_pkg.manifest["rewrites"]["results"][pass_name]["fuse_window_snapshot"]
-        assert record["matches"] == layers
-        assert record["nodes_before"] - record["nodes_after"] == layers
+        record = fused_pkg.manifest.rewrites.results[pass_name]["fuse_window_snapshot"]
+        assert record.matches == layers
+        assert record.nodes_before - record.nodes_after == layers
 
 
 def test_prefill_and_commit_graphs_unchanged(fused_pkg, unfused_pkg):
     for pass_name in ("prefill", "commit"):
         assert _ops(fused_pkg, pass_name) == _ops(unfused_pkg, pass_name)
-        record = fused_pkg.manifest["rewrites"]["results"][pass_name]["fuse_window_snapshot"]
-        assert record["matches"] == 0 and record["nodes_before"] == record["nodes_after"]
+        record = fused_pkg.manifest.rewrites.results[pass_name]["fuse_window_snapshot"]
+        assert record.matches == 0 and record.nodes_before == record.nodes_after
         # Not only the same op counts: the saved graphs are the same bytes.
         name = f"graphs/{pass_name}.pt2"
-        assert fused_pkg.manifest["files"][name] == unfused_pkg.manifest["files"][name]
+        assert fused_pkg.manifest.files[name] == unfused_pkg.manifest.files[name]
 
 
 def test_unfused_package_records_empty_pipeline(fused_pkg, unfused_pkg):
-    assert fused_pkg.manifest["rewrites"]["pipeline"] == ["fuse_window_snapshot"]
-    assert unfused_pkg.manifest["rewrites"]["pipeline"] == []
-    assert unfused_pkg.manifest["rewrites"]["results"]["verify"] == {}
+    assert fused_pkg.manifest.rewrites.pipeline == ("fuse_window_snapshot",)
+    assert unfused_pkg.manifest.rewrites.pipeline == ()
+    assert unfused_pkg.manifest.rewrites.results["verify"] == {}

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from b12x_toolchain.exporter.compare.abi_diff import diff_manifests
 from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
+from b12x_toolchain.runtime.package.manifest import digest
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +20,14 @@ def base(fused_path):
 
 
 def _crafted(manifest: dict, edit) -> dict:
-    """A manifest whose calling conventions differ by `edit`, with a consistent fingerprint."""
+    """A manifest whose calling conventions differ by `edit`, with a consistent fingerprint and digest."""
     out = copy.deepcopy(manifest)
     edit(out["passes"])
     # Buffers no pass binds any more leave the buffer table with it (a reader refuses strays).
     bound = {s["name"] for p in out["passes"].values() for s in p["inputs"]}
     out["buffers"] = {name: info for name, info in out["buffers"].items() if name in bound}
     out["abi_fingerprint"] = fingerprint(contract(out["passes"], out["buffers"], out.get("cache_formats")))
+    out["manifest_sha256"] = digest(out)
     return out
 
 
@@ -101,6 +103,7 @@ def test_cli_prints_the_changes_and_fails(base, fused_path, tmp_path):
 def test_cli_refuses_a_manifest_whose_fingerprint_lies(base, fused_path, tmp_path):
     lying = copy.deepcopy(base)
     lying["passes"]["verify"]["inputs"].pop()
+    lying["manifest_sha256"] = digest(lying)  # the document is signed; its fingerprint is what lies
     (tmp_path / "manifest.json").write_text(json.dumps(lying))
     result = CliRunner().invoke(main, ["abi", "diff", str(fused_path), str(tmp_path / "manifest.json")])
     assert result.exit_code == 1 and "abi_fingerprint does not match the calling conventions" in result.output

@@ -39,8 +39,8 @@ def _walk(pkg, pass_name):
 
 
 def test_same_weights_and_calling_convention_but_for_cache_sizes(fused_pkg, long_pkg):
-    assert fused_pkg.manifest["files"]["weights.safetensors"] == long_pkg.manifest["files"]["weights.safetensors"]
-    assert long_pkg.manifest["model"]["max_seq_len"] == LONG
+    assert fused_pkg.manifest.files["weights.safetensors"] == long_pkg.manifest.files["weights.safetensors"]
+    assert long_pkg.manifest.model.max_seq_len == LONG
     grown = set()
     for name, info in fused_pkg.passes.items():
         short, long = info.inputs, long_pkg.passes[name].inputs
@@ -51,7 +51,7 @@ def test_same_weights_and_calling_convention_but_for_cache_sizes(fused_pkg, long
 
 
 def test_no_node_scales_with_max_seq_len(fused_pkg, long_pkg):
-    ratios = [r for r in long_pkg.manifest["recipe"]["model"]["compress_ratios"] if r]
+    ratios = [r for r in long_pkg.manifest.recipe["model"]["compress_ratios"] if r]
     bound = LONG // max(ratios)  # the smallest count of entries a cache of this package holds
     for name in long_pkg.passes:
         big = [(n.name, str(n.target), shape) for n, shape in _walk(long_pkg, name) if any(s >= bound for s in shape)]

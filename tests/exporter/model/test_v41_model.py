@@ -10,6 +10,8 @@ MXFP8 / NVFP4 formats (within the bound derived in the test).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -210,14 +212,14 @@ def test_low_confidence_ends_the_block_and_output_stays_greedy(fused_pkg):
     gen = torch.Generator().manual_seed(3)
     prompts = [random_tokens(gen, 60), random_tokens(gen, 140)]
     greedy = Decoder(fused_pkg.session(slots=2, max_rows=2)).generate(prompts, 24, speculative=False)
-    model = fused_pkg.manifest["model"]
-    saved = model["confidence_threshold"]
+    saved = fused_pkg.manifest
     try:
         for threshold, keeps_drafts in ((0.0, True), (0.999999, False)):
-            model["confidence_threshold"] = threshold
+            model = dataclasses.replace(saved.model, confidence_threshold=threshold)
+            fused_pkg.manifest = dataclasses.replace(saved, model=model)
             decoder = Decoder(fused_pkg.session(slots=2, max_rows=2))
             assert decoder.generate(prompts, 24) == greedy
             drafted = decoder.stats.drafted
             assert (drafted >= 7 * decoder.stats.steps and drafted % 7 == 0) if keeps_drafts else drafted == 0
     finally:
-        model["confidence_threshold"] = saved
+        fused_pkg.manifest = saved

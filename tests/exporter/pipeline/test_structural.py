@@ -16,6 +16,7 @@ from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest
 
 from b12x_toolchain.runtime import PackageError, load
 from b12x_toolchain.runtime.package.checkpoint import INDEX
+from b12x_toolchain.runtime.package.manifest import WeightTensor
 from b12x_toolchain.runtime.package.reader import read_manifest
 
 pytestmark = pytest.mark.slow(minutes=4.5)  # the module's time on two busy cores: longest runs first
@@ -120,10 +121,10 @@ def test_full_size_structural_export(tmp_path):
     for name in ("prefill", "verify", "draft", "commit"):  # progress per pass
         assert f"capturing {name} …" in proc.stdout and f"captured {name} in " in proc.stdout
     manifest = read_manifest(tmp_path / "dsv41.b12x")
-    matches = {p: r["fuse_window_snapshot"]["matches"] for p, r in manifest["rewrites"]["results"].items()}
+    matches = {p: r["fuse_window_snapshot"].matches for p, r in manifest.rewrites.results.items()}
     assert matches == {"prefill": 0, "verify": 40, "draft": 3, "commit": 0}  # as the recipe expects
-    assert sorted(manifest["files"]) == ["graphs/commit.pt2", "graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2"]
-    tensors = manifest["weights"]["tensors"]
-    assert tensors["model.embed_tokens.weight"] == {"dtype": "float32", "shape": [129280, 5120]}  # no index: no checksums
+    assert sorted(manifest.files) == ["graphs/commit.pt2", "graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2"]
+    tensors = manifest.weights.tensors
+    assert tensors["model.embed_tokens.weight"] == WeightTensor("float32", (129280, 5120))  # no index: no checksums
     assert set(tensors) == set(weight_shapes(Dims.from_recipe(load_recipe("dsv41"))))
-    assert manifest["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8, 16, 32]
+    assert manifest.passes["verify"].rows_buckets == (1, 2, 4, 8, 16, 32)

@@ -1,7 +1,8 @@
 """Manifests built in memory from the pass modules' conventions: no capture, no export.
 
-What `read_manifest` checks (versions, fingerprint, buffer and pass data) needs no graph
-or weights file, so a recipe's manifest can be made, edited and read back in milliseconds.
+What `read_manifest` checks (everything a manifest says) needs no graph or weights file,
+so a recipe's manifest can be made, edited and read back in milliseconds. Its files and
+weights are placeholders: they are load's to check.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from b12x_toolchain.runtime.ops.namespace import OPSET_VERSION
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
 from b12x_toolchain.exporter.pipeline.rank_files import SINGLE_DEVICE_FORMAT
+from b12x_toolchain.runtime.package.manifest import Manifest, ModelFacts, Rewrites, Weights, abi_fingerprint, digest
 from b12x_toolchain.runtime.package.reader import read_manifest
 
 
@@ -29,16 +31,19 @@ def contract_manifest(recipe) -> dict:
         passes[name] = pass_entry(module, getattr(recipe.passes, name).rows_buckets, inputs, outputs)
         conventions.append(inputs)
     buffers = buffer_table(conventions)
-    manifest = {"format_version": SINGLE_DEVICE_FORMAT, "opset_version": OPSET_VERSION, "name": recipe.name,
-                "model": {"max_seq_len": d.max_seq_len, "vocab_size": d.vocab},
-                "passes": passes, "buffers": buffers, "cache_formats": cache_formats_entry(buffers)}
-    return refingerprint(manifest)
+    formats = cache_formats_entry(buffers)
+    manifest = Manifest(SINGLE_DEVICE_FORMAT, OPSET_VERSION, recipe.name, recipe.normalized(), recipe.sha256(),
+                        ModelFacts(recipe.model.family, d.vocab, d.max_seq_len, d.noise_token_id, 0.0), passes,
+                        buffers, formats, abi_fingerprint(passes, buffers, formats), Rewrites((), {}),
+                        Weights("placeholder", "weights.safetensors"), {"b12x": "test"})
+    return manifest.signed({p.graph: "0" * 64 for p in passes.values()}).to_json()
 
 
 def refingerprint(manifest: dict) -> dict:
-    """Sign the calling conventions again, as a tamperer or a buggy exporter would."""
+    """Sign the calling conventions and the document again, as a tamperer or a buggy exporter would."""
     manifest["abi_fingerprint"] = fingerprint(contract(manifest["passes"], manifest.get("buffers"),
                                                        manifest.get("cache_formats")))
+    manifest["manifest_sha256"] = digest(manifest)
     return manifest
 
 

@@ -55,7 +55,7 @@ def _expected_buffers(d: Dims) -> dict[str, dict]:
 
 
 def test_tiny_package_records_what_every_buffer_is(fused_pkg, tiny_recipe):
-    d, m = Dims.from_recipe(tiny_recipe), fused_pkg.manifest
+    d, m = Dims.from_recipe(tiny_recipe), fused_pkg.manifest.to_json()  # the document as written
     assert m["format_version"] == "4.0" and m["opset_version"] == 4
     assert m["buffers"] == _expected_buffers(d)
     specs = {s["name"]: s for e in m["passes"].values() for s in e["inputs"] if s["role"] in ("cache", "staging")}
@@ -74,7 +74,7 @@ def test_tiny_package_records_what_every_buffer_is(fused_pkg, tiny_recipe):
 
 
 def test_tiny_package_records_what_every_pass_does(fused_pkg, tiny_recipe):
-    d, passes = Dims.from_recipe(tiny_recipe), fused_pkg.manifest["passes"]
+    d, passes = Dims.from_recipe(tiny_recipe), fused_pkg.manifest.to_json()["passes"]
     assert {n: (e["width"], e["advances"], e["reads_staging_of"]) for n, e in passes.items()} == {
         "prefill": (d.prefill_chunk, "lengths", None), "verify": (8, None, None), "draft": (7, None, None),
         "commit": (8, "accept_len", "verify"), "decode": (1, "lengths", None)}
@@ -93,7 +93,7 @@ def test_tiny_package_records_what_every_pass_does(fused_pkg, tiny_recipe):
                                                           passes[info.name]["reads_staging_of"])
         for spec in info.inputs:
             if spec.role in ("cache", "staging"):
-                assert spec.info.to_json() == fused_pkg.manifest["buffers"][spec.name]
+                assert spec.info == fused_pkg.manifest.buffers[spec.name]
 
 
 def test_the_fingerprint_covers_buffer_and_pass_data_but_not_buckets(tiny_recipe):
@@ -130,7 +130,7 @@ def test_a_newer_format_or_op_set_asks_for_a_newer_b12x(tiny_recipe, tmp_path):
         read_back(edited(base, lambda x: x.update(format_version="5.0")), tmp_path)
     with pytest.raises(PackageError, match=r"opset_version 5 is unknown; .*not an op set this runtime knows"):
         read_back(edited(base, lambda x: x.update(opset_version=5)), tmp_path)
-    assert read_back(base, tmp_path)["format_version"] == "4.0"  # the unedited manifest reads
+    assert read_back(base, tmp_path).format_version == "4.0"  # the unedited manifest reads
 
 
 # -- malformed data -----------------------------------------------------------------------------

@@ -19,9 +19,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_fused_and_unfused_share_the_abi_fingerprint(fused_pkg, unfused_pkg):
     assert fused_pkg.abi_fingerprint == unfused_pkg.abi_fingerprint
-    assert fused_pkg.manifest["passes"]["verify"]["inputs"] == unfused_pkg.manifest["passes"]["verify"]["inputs"]
+    assert fused_pkg.manifest.passes["verify"].inputs == unfused_pkg.manifest.passes["verify"].inputs
     # ...while the graphs themselves differ.
-    assert fused_pkg.manifest["files"]["graphs/verify.pt2"] != unfused_pkg.manifest["files"]["graphs/verify.pt2"]
+    assert fused_pkg.manifest.files["graphs/verify.pt2"] != unfused_pkg.manifest.files["graphs/verify.pt2"]
 
 
 def test_export_twice_in_another_process_is_byte_identical(fused_path, tmp_path):
@@ -35,14 +35,14 @@ def test_export_twice_in_another_process_is_byte_identical(fused_path, tmp_path)
 
 def test_manifest_records_what_the_abi_says(fused_pkg, tiny_recipe):
     m = fused_pkg.manifest
-    assert m["format_version"] == "4.0" and m["opset_version"] == 4
-    assert m["recipe_sha256"] == tiny_recipe.sha256()
-    assert m["passes"]["verify"]["width"] == 8 and m["passes"]["draft"]["width"] == 7
-    assert m["passes"]["verify"]["rows_buckets"] == [1, 2, 4, 8]
-    assert set(m["files"]) == {"graphs/prefill.pt2", "graphs/verify.pt2", "graphs/draft.pt2",
+    assert m.format_version == "4.0" and m.opset_version == 4
+    assert m.recipe_sha256 == tiny_recipe.sha256()
+    assert m.passes["verify"].width == 8 and m.passes["draft"].width == 7
+    assert m.passes["verify"].rows_buckets == (1, 2, 4, 8)
+    assert set(m.files) == {"graphs/prefill.pt2", "graphs/verify.pt2", "graphs/draft.pt2",
                                "graphs/commit.pt2", "graphs/decode.pt2", "weights.safetensors"}
-    assert {"torch", "b12x", "safetensors", "flashinfer_pin"} <= set(m["versions"])
-    text = json.dumps(m)
+    assert {"torch", "b12x", "safetensors", "flashinfer_pin"} <= set(m.versions)
+    text = json.dumps(m.to_json())
     assert "/tmp" not in text and str(Path.home()) not in text  # no absolute paths
 
 

@@ -23,7 +23,7 @@ from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.errors import PackageError
 from b12x_toolchain.runtime.package.reader import load_graph
 from b12x_toolchain.runtime.parallel.group import collective_counts, refuse_collectives
-from b12x_toolchain.runtime.parallel.mapping import read_mapping
+from b12x_toolchain.runtime.parallel.mapping import Mapping
 from ranks import on_ranks
 
 pytestmark = pytest.mark.slow(minutes=2)
@@ -156,7 +156,7 @@ def test_a_malformed_mapping_is_refused(packed, change, message):
     m = manifest(packed)
     change(m["parallel"])
     with pytest.raises(PackageError, match=message):
-        read_mapping(m, m["passes"])
+        Mapping.from_json(m["parallel"], m["passes"])
 
 
 def test_a_tampered_rank_file_is_refused(packed, tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -44,17 +44,11 @@ def bf16_window_pkg(small_recipe, tmp_path_factory):
     return load(export_package(recipe, tmp_path_factory.mktemp("bf16")).path)
 
 
-def with_manifest(package, edit) -> Package:
-    """The same graphs and weights under an edited copy of the manifest."""
-    manifest = copy.deepcopy(package.manifest)
-    edit(manifest)
-    return Package(package.path, manifest, package.passes, package.weights)
+def with_manifest(package, **changes) -> Package:
+    """The same graphs and weights under a copy of the manifest with `changes` (its fields)."""
+    return Package(package.path, dataclasses.replace(package.manifest, **changes), package.passes, package.weights)
 
 
 def with_capabilities(package, **flags) -> Package:
-    def edit(manifest):
-        if flags.get("remove"):
-            manifest["model"].pop("capabilities", None)
-        else:
-            manifest["model"]["capabilities"] = {f"supports_{k}": v for k, v in flags.items()}
-    return with_manifest(package, edit)
+    capabilities = None if flags.get("remove") else {f"supports_{k}": v for k, v in flags.items()}
+    return with_manifest(package, model=dataclasses.replace(package.manifest.model, capabilities=capabilities))

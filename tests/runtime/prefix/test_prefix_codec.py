@@ -138,7 +138,7 @@ def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(fused
     assert kinds["cache.layer4.index"] == ("paged", False)
     assert layout["cache.layer4.index"].pool == "index_key_pages" and layout["cache.layer4.index"].tokens_per_page == 32
     assert "cache.layer5.compressed" not in kinds  # a Reindex layer owns only its window
-    assert fused_pkg.manifest["model"]["capabilities"] == {"supports_prefix_snapshot": True,
+    assert fused_pkg.manifest.model.capabilities == {"supports_prefix_snapshot": True,
                                                            "supports_rotating_cache_snapshot": True}
     known = [s for s in cache_specs(fused_pkg) if s.name in ("cache.layer0.window", "cache.seq_len")]
     specs = known + [BufferSpec("cache.layer0.index_keys", "cache", "uint8", ("slots", 512, 68))]  # no kind recorded

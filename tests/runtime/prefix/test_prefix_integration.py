@@ -144,8 +144,8 @@ def test_snapshots_of_other_weights_formats_or_recipes_miss(small_pkg, other_wei
                                                             prompt, tmp_path):
     with PrefixCache(small_pkg, l2_dir=tmp_path, write_behind=False) as filler:
         run(small_pkg, [prompt[:150]], filler)
-    other_recipe = with_manifest(small_pkg, lambda m: m.update(recipe_sha256="0" * 64))
-    assert other_weights_pkg.manifest["recipe_sha256"] == small_pkg.manifest["recipe_sha256"]
+    other_recipe = with_manifest(small_pkg, recipe_sha256="0" * 64)
+    assert other_weights_pkg.manifest.recipe_sha256 == small_pkg.manifest.recipe_sha256
     for package in (other_weights_pkg, bf16_window_pkg, other_recipe):
         with PrefixCache(package, l2_dir=tmp_path, write_behind=False) as cache:
             got = run(package, [prompt[:150]], cache)[0]

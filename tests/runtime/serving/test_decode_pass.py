@@ -25,7 +25,7 @@ def test_manifest_declares_a_one_token_pass_that_advances_by_lengths(fused_pkg):
 def test_decode_equals_verify_then_commit_of_one_row(fused_pkg):
     gen = torch.Generator().manual_seed(5)
     prompt, token = random_tokens(gen, 150), random_tokens(gen, 1)[0]  # past the window, groups closing
-    noise = fused_pkg.manifest["model"]["noise_token_id"]
+    noise = fused_pkg.manifest.model.noise_token_id
     staged, direct = _prefilled(fused_pkg, prompt), _prefilled(fused_pkg, prompt)
     at = {"slot_ids": [0], "positions": [len(prompt)]}
     want = staged.replay("verify", token_ids=[[token] + [noise] * 7], **at)["logits"][0, 0].clone()

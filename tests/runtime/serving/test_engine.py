@@ -167,7 +167,7 @@ def test_the_last_tokens_before_max_seq_len_decode_one_at_a_time(fused_pkg):
     Checked by teacher forcing: one prefill of prompt + tokens gives the target's argmax
     at every position, and each emitted token must be it (or sit at a near tie).
     """
-    limit = fused_pkg.manifest["model"]["max_seq_len"]
+    limit = fused_pkg.manifest.model.max_seq_len
     gen = torch.Generator().manual_seed(41)
     prompt, new = random_tokens(gen, limit - 14), 14
     session = fused_pkg.session(slots=1)

@@ -24,7 +24,7 @@ def sessions(small_path, tmp_path_factory):
 
 
 def _cache_specs(package) -> dict:
-    return {s.name: s for info in package.passes.values() for s in info.inputs if s.role == "cache"}
+    return {s.name: s for s in package.caches}
 
 
 def _copy_state(source, target):
@@ -86,7 +86,7 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
     assert all(isinstance(g, CompiledGraph) and g.compiled for g in ran)  # the compiled code really ran
     assert not any(isinstance(b.graph, CompiledGraph) for p in ("prefill", "draft") for b in compiled.buckets[p].values())
     # Inductor's artifacts are under the session's own directory: package digest, device, torch.
-    digest = package.manifest["manifest_sha256"][:32]
+    digest = package.manifest.manifest_sha256[:32]
     assert compiled.compile_cache.parent == cache / digest
     assert compiled.compile_cache.name == f"cpu-torch{torch.__version__.replace('+', '_')}"
     assert any(compiled.compile_cache.rglob("*")), "nothing was cached"

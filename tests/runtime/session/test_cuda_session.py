@@ -100,7 +100,7 @@ def test_fused_graphs_have_one_kernel_node_fewer_per_fused_layer(fused_pkg, unfu
     from benchmarks.gpu_check import node_types
 
     fused, unfused = _prefilled(fused_pkg, 1), _prefilled(unfused_pkg, 1)
-    results = fused_pkg.manifest["rewrites"]["results"]
+    results = fused_pkg.manifest.rewrites.results
     for pass_name in ("verify", "draft", "commit", "prefill"):
         matches = results[pass_name]["fuse_window_snapshot"]["matches"]
         for rows in fused.buckets[pass_name]:

@@ -1,0 +1,175 @@
+"""The manifest's sections besides the passes and buffers: the model's facts, the rewrites'
+results and where the weights come from, each with its `to_json` and strict `from_json`
+(manifest.py composes them). Every refusal names the field and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from b12x_toolchain.runtime.errors import PackageError
+
+WHERE = "manifest.json"
+MODEL_FIELDS = ("family", "vocab_size", "max_seq_len", "noise_token_id", "confidence_threshold")
+REWRITE_FIELDS = ("matches", "nodes_before", "nodes_after")
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_str_map(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+def expect(ok: bool, field: str, value, expected: str) -> None:
+    if not ok:
+        raise PackageError(f"{WHERE}: {field}: {value!r:.200} is not {expected}")
+
+
+def expect_keys(data: dict, field: str, required, optional=()) -> None:
+    missing = sorted(set(required) - set(data))
+    unknown = sorted(set(data) - set(required) - set(optional))
+    if missing or unknown:
+        problems = ([f"fields missing {missing}"] if missing else []) + ([f"unknown fields {unknown}"] if unknown else [])
+        raise PackageError(f"{WHERE}: {field}: {'; '.join(problems)}")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    family: str
+    vocab_size: int
+    max_seq_len: int
+    noise_token_id: int
+    confidence_threshold: float
+    capabilities: dict[str, bool] | None = None  # the snapshot flags (prefix/snapshot.py); None: not declared
+
+    def to_json(self) -> dict:
+        out = {f: getattr(self, f) for f in MODEL_FIELDS}
+        if self.capabilities is not None:
+            out["capabilities"] = dict(self.capabilities)
+        return out
+
+    @classmethod
+    def from_json(cls, data) -> "ModelFacts":
+        expect(isinstance(data, dict), "model", data, "an object")
+        expect_keys(data, "model", MODEL_FIELDS, ("capabilities",))
+        expect(isinstance(data["family"], str), "model.family", data["family"], "a string")
+        for field in ("vocab_size", "max_seq_len"):
+            expect(is_count(data[field]) and data[field] > 0, f"model.{field}", data[field], "a positive integer")
+        expect(is_count(data["noise_token_id"]) and 0 <= data["noise_token_id"] < data["vocab_size"],
+                "model.noise_token_id", data["noise_token_id"], "a token id below vocab_size")
+        threshold = data["confidence_threshold"]
+        expect(isinstance(threshold, (int, float)) and not isinstance(threshold, bool),
+                "model.confidence_threshold", threshold, "a number")
+        caps = data.get("capabilities")
+        expect(caps is None or (isinstance(caps, dict) and all(isinstance(v, bool) for v in caps.values())),
+                "model.capabilities", caps, "an object of flags")
+        return cls(data["family"], data["vocab_size"], data["max_seq_len"], data["noise_token_id"], threshold,
+                   None if caps is None else dict(caps))
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    """What one rewrite did to one pass's graph (the rewrite kit's PassResult)."""
+
+    matches: int
+    nodes_before: int
+    nodes_after: int
+
+    def to_json(self) -> dict:
+        return {f: getattr(self, f) for f in REWRITE_FIELDS}
+
+
+@dataclass(frozen=True)
+class Rewrites:
+    pipeline: tuple[str, ...]  # the rewrites run, in order; empty for an unfused package
+    results: dict[str, dict[str, RewriteResult]]  # pass -> rewrite -> result
+
+    def to_json(self) -> dict:
+        return {"pipeline": list(self.pipeline),
+                "results": {p: {r: res.to_json() for r, res in by.items()} for p, by in self.results.items()}}
+
+    @classmethod
+    def from_json(cls, data) -> "Rewrites":
+        expect(isinstance(data, dict), "rewrites", data, "an object")
+        expect_keys(data, "rewrites", ("pipeline", "results"))
+        pipeline, results = data["pipeline"], data["results"]
+        expect(isinstance(pipeline, list) and all(isinstance(n, str) for n in pipeline), "rewrites.pipeline",
+                pipeline, "a list of rewrite names")
+        expect(isinstance(results, dict) and all(isinstance(v, dict) for v in results.values()),
+                "rewrites.results", results, "an object of pass -> rewrite -> result")
+        typed = {}
+        for pass_name, by_rewrite in results.items():
+            typed[pass_name] = {}
+            for rewrite, result in by_rewrite.items():
+                field = f"rewrites.results.{pass_name}.{rewrite}"
+                expect(isinstance(result, dict), field, result, "an object")
+                expect_keys(result, field, REWRITE_FIELDS)
+                for name in REWRITE_FIELDS:
+                    expect(is_count(result[name]) and result[name] >= 0, f"{field}.{name}", result[name],
+                            "a non-negative integer")
+                typed[pass_name][rewrite] = RewriteResult(**result)
+        return cls(tuple(pipeline), typed)
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """A tensor a structural package needs from a checkpoint (weight_binding.py)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    sha256: str | None = None  # recorded when the exporter was given a checkpoint index
+
+    def to_json(self) -> dict:
+        out = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where the weights come from: a file of the package (`file`; None in a parallel package,
+    whose ranks name theirs) or, `external`, a checkpoint holding `tensors`."""
+
+    source: str
+    file: str | None = None
+    external: bool = False
+    tensors: dict[str, WeightTensor] | None = None
+
+    def to_json(self) -> dict:
+        if self.external:
+            return {"external": True, "source": self.source,
+                    "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
+        return {"file": self.file, "source": self.source}
+
+    @classmethod
+    def from_json(cls, data) -> "Weights":
+        if not isinstance(data, dict):
+            raise PackageError(f"{WHERE}: 'weights' is missing or not an object")
+        external = data.get("external", False)
+        expect(isinstance(external, bool), "weights.external", external, "a boolean")
+        expect(isinstance(data.get("source"), str), "weights.source", data.get("source"), "a string")
+        if not external:
+            expect_keys(data, "weights", ("file", "source"), ("external",))
+            expect(data["file"] is None or isinstance(data["file"], str), "weights.file", data["file"],
+                    "a file name or null")
+            return cls(data["source"], data["file"])
+        expect_keys(data, "weights", ("external", "source"), ("tensors",))
+        tensors = data.get("tensors")
+        if not isinstance(tensors, dict):
+            raise PackageError(f"{WHERE}: weights are external but 'weights.tensors' is missing")
+        return cls(data["source"], None, True, {n: _weight_tensor(n, t) for n, t in tensors.items()})
+
+
+def _weight_tensor(name: str, data) -> WeightTensor:
+    field = f"weights.tensors.{name}"
+    expect(isinstance(data, dict), field, data, "an object")
+    expect_keys(data, field, ("dtype", "shape"), ("sha256",))
+    shape, checksum = data["shape"], data.get("sha256")
+    expect(isinstance(data["dtype"], str), f"{field}.dtype", data["dtype"], "a dtype name")
+    expect(isinstance(shape, list) and all(is_count(s) and s >= 0 for s in shape), f"{field}.shape", shape,
+            "a list of sizes")
+    expect(checksum is None or isinstance(checksum, str), f"{field}.sha256", checksum, "a hex digest")
+    return WeightTensor(data["dtype"], tuple(shape), checksum)
