@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import io
 import json
 import os
 import stat
@@ -28,10 +27,10 @@ from b12x_toolchain.runtime.package.abi import BufferSpec, contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
 from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buffer_table, check_row_inputs, described,
                                                      pass_fields, row_input_info)
-from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
+from b12x_toolchain.runtime.package.pass_graph import MEMOISED, PassGraph, load_graph, refuse_collectives  # noqa: F401
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
-from b12x_toolchain.runtime.parallel.group import bind_group, refuse_collectives
+from b12x_toolchain.runtime.parallel.group import bind_group
 from b12x_toolchain.runtime.parallel.mapping import read_mapping
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
@@ -63,13 +62,17 @@ def _major_minor(text) -> tuple[int, int]:
 @dataclass
 class PassInfo:
     name: str
-    program: torch.export.ExportedProgram
+    graph: PassGraph  # checked at load; deserialised when `program` is first read
     inputs: list[BufferSpec]  # cache, staging and row inputs carry their info (kind...)
     outputs: list[BufferSpec]
     rows_buckets: list[int]
     width: int
     advances: str | None = None  # the input whose counts move the committed length; None: staging only
     reads_staging_of: str | None = None  # the pass whose staging this one makes persistent
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        return self.graph.program
 
     @functools.cached_property
     def _row_inputs(self) -> dict[str, list[str]]:
@@ -292,18 +295,6 @@ def _check_files(root: Path, manifest: dict) -> dict[str, bytes]:
     return contents
 
 
-def load_graph(file: str, data: bytes) -> torch.export.ExportedProgram:
-    """One graph archive: its entries and JSON checked first, then deserialised, then its ops
-    checked again on the loaded graph. Any refusal is a PackageError naming `file`."""
-    check_archive(file, data)
-    try:
-        program = torch.export.load(io.BytesIO(data))
-    except Exception as exc:  # the checks above passed it, torch's deserialiser did not: still bad input
-        raise PackageError(f"{file}: torch.export could not load it ({type(exc).__name__}: {str(exc)[:300]})") from None
-    check_graph_ops(file, program.graph)  # the second line: the loaded graph's targets
-    return program
-
-
 @dataclass
 class _Convention:
     """A pass as the manifest declares it, before its graph is deserialised."""
@@ -364,15 +355,14 @@ def _check_graph_file(convention: _Convention, contents: dict[str, bytes]) -> No
         raise PackageError(f"manifest.json: passes.{convention.name}.graph {convention.graph!r} is not a listed file")
 
 
-def _pass_info(convention: _Convention, contents: dict[str, bytes]) -> PassInfo:
-    program = load_graph(convention.graph, contents[convention.graph])
+def _pass_info(convention: _Convention, graph: PassGraph) -> PassInfo:
     f = convention.fields
-    return PassInfo(convention.name, program, convention.inputs, convention.outputs, list(f.rows_buckets), f.width,
+    return PassInfo(convention.name, graph, convention.inputs, convention.outputs, list(f.rows_buckets), f.width,
                     f.advances, f.reads_staging_of)
 
 
 def load(path, weights=None, rank: int | None = None, peer_timeout: float | None = None,
-         join_group: bool = True) -> Package:
+         join_group: bool = True, graph_loader: str = MEMOISED) -> Package:
     """Load and check a package; `weights` is a checkpoint directory to bind the weights from.
 
     A structural package (external weights) loaded without `weights` can be inspected but
@@ -381,6 +371,8 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
     torch.distributed group has the package's world size (runtime/parallel/group.py);
     `peer_timeout` (seconds) also waits for every peer to answer. `join_group=False` checks
     all the rest and loads the rank's graphs for inspection only: its sessions are refused.
+    Every graph archive is checked here; a pass's graph is deserialised when first used
+    (pass_graph.py), by `graph_loader` (pass_graph.LOADERS; the default is graph_loader.py).
     """
     given = Path(path)
     if not given.is_dir():
@@ -399,12 +391,13 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
         _check_graph_file(convention, contents)
     # Weights first: a bad checkpoint or weights file is refused before any graph is deserialised.
     bound = bind_weights(manifest, contents, conventions, weights, mapping, rank)
-    passes = {name: _pass_info(convention, contents) for name, convention in conventions.items()}
-    programs = {name: info.program for name, info in passes.items()}
+    graphs = {name: PassGraph(c.graph, contents[c.graph], graph_loader) for name, c in conventions.items()}
+    passes = {name: _pass_info(convention, graphs[name]) for name, convention in conventions.items()}
     if mapping is None:
-        refuse_collectives(programs)
+        refuse_collectives(graphs)
     elif join_group:  # before any replay: the group, its size, this rank, and (if asked) the peers
-        bind_group(programs, rank, mapping.world_size, mapping.describe(), peer_timeout)
+        bind_group({name: g.program for name, g in graphs.items()}, rank, mapping.world_size, mapping.describe(),
+                   peer_timeout)
     package = Package(given, manifest, passes, bound)
     package.mapping, package.rank, package.joined = mapping, rank, mapping is None or join_group
     return package
