@@ -126,12 +126,13 @@ class Package:
 
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                compile=False, compile_cache=None):
+                compile=False, compile_cache=None, passes=None):
         """A session of `slots` request slots; `pages` (per pool, or one count for every pool)
         or `cache_bytes` bound the paged caches (default: every slot can reach max_seq_len);
         `contiguous` keeps each slot's pages in one run (Session); `compile` (True, or pass
         names) replays those passes through Inductor, compiled on this machine on first use
-        and cached under `compile_cache` (session/compiled.py)."""
+        and cached under `compile_cache` (session/compiled.py). `passes` (names) prepares only
+        those, and deserialises only their graphs (default: every pass)."""
         from b12x_toolchain.runtime.session.session import Session
 
         if not self.joined:
@@ -141,7 +142,8 @@ class Package:
             raise PackageError(f"{self.path.name}: weights are external and not bound; "
                                "load it with load(path, weights=CHECKPOINT_DIR)")
         return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers, pages=pages,
-                       cache_bytes=cache_bytes, contiguous=contiguous, compile=compile, compile_cache=compile_cache)
+                       cache_bytes=cache_bytes, contiguous=contiguous, compile=compile, compile_cache=compile_cache,
+                       passes=passes)
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
