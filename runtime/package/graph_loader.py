@@ -25,6 +25,7 @@ The document has been checked (graph_json.py) before it gets here; nothing is un
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import gc
@@ -44,8 +45,12 @@ from torch.utils._sympy.numbers import int_oo
 
 def exported_program(document: dict) -> torch.export.ExportedProgram:
     """The program of a checked graph document (archive entry models/model.json)."""
-    with _no_collection():
-        return _deserialize(_converter(schema.ExportedProgram)(document))
+    shared = _SHARED.set({})  # what this document's conversion shares lives as long as the call
+    try:
+        with _no_collection():
+            return _deserialize(_converter(schema.ExportedProgram)(document))
+    finally:
+        _SHARED.reset(shared)
 
 
 @contextlib.contextmanager
@@ -132,13 +137,17 @@ def _dataclass_converter(cls) -> Callable:
     return convert
 
 
+# Per call of exported_program (and per thread): repr of a JSON value -> what it was converted to.
+_SHARED: contextvars.ContextVar[dict] = contextvars.ContextVar("b12x_graph_loader_shared")
+
+
 def _shared(convert: Callable) -> Callable:
-    """`convert`, made once per distinct JSON value and shared: for immutable descriptions
-    (a tensor's dtype, sizes, strides), which the deserialiser then recognises by identity."""
-    made = {}
+    """`convert`, made once per distinct JSON value of a document and shared: for immutable
+    descriptions (a tensor's dtype, sizes, strides), which the deserialiser then recognises
+    by identity."""
 
     def shared(data):
-        key = repr(data)  # equal reprs of JSON values are equal values
+        made, key = _SHARED.get(), repr(data)  # equal reprs of JSON values are equal values
         if key not in made:
             made[key] = convert(data)
         return made[key]
@@ -182,10 +191,10 @@ def _graph_deserializer() -> serialize.GraphModuleDeserializer:
             sizes = [d.deserialize_sym_int(s) for s in meta.sizes]
             strides = [d.deserialize_sym_int(s) for s in meta.strides]
             described = torch.empty_strided(sizes, strides, dtype=serialize._SERIALIZE_TO_TORCH_DTYPE[meta.dtype],
-                                            device="meta", requires_grad=meta.requires_grad)
+                                            device="meta")
             metas[key] = (meta, described, serialize.deserialize_device(meta.device))
         _, described, device = metas[key]
-        return FakeTensor(d.fake_tensor_mode, described.detach(), device)
+        return FakeTensor(d.fake_tensor_mode, described.detach(), device).requires_grad_(meta.requires_grad)
 
     d.deserialize_tensor_meta = tensor_meta
     return d

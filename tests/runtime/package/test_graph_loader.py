@@ -26,7 +26,8 @@ def dsv4_path(run_dir):
 
 def _value(val):
     if isinstance(val, torch.Tensor):
-        return type(val), tuple(map(str, val.shape)), tuple(map(str, val.stride())), val.dtype, val.device
+        return (type(val), tuple(map(str, val.shape)), tuple(map(str, val.stride())), val.dtype, val.device,
+                val.requires_grad)
     if isinstance(val, (tuple, list)):
         return tuple(_value(v) for v in val)
     return str(val)
