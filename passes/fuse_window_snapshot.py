@@ -9,20 +9,20 @@ fused op is not qualified for (history length, page layout) fails the export.
 
 from __future__ import annotations
 
-import torch
-
-from b12x_toolchain.passes.pair_rewrite import PairRewrite
+from b12x_toolchain.passes.kit import PairRewrite
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
 
+NAME = "fuse_window_snapshot"
 
 
-def _qualified(snapshot: dict, append: dict) -> None:
-    check_fused_window(snapshot["history"], snapshot["layout"], snapshot["page_size"],
-                       where=f"fuse_window_snapshot on {snapshot['staging'].name}")
+def _qualified(fused: dict) -> None:
+    check_fused_window(fused["history"], fused["layout"], fused["page_size"],
+                       where=f"{NAME} on {fused['staging'].name}")
 
 
-REWRITE = PairRewrite(
+FUSE_WINDOW_SNAPSHOT = PairRewrite(
+    name=NAME,
     first=ops.window_snapshot.default,
     second=ops.cache_append.default,
     fused=ops.window_snapshot_append.default,
@@ -40,16 +40,3 @@ REWRITE = PairRewrite(
     ),
     check=_qualified,
 )
-
-
-class FuseWindowSnapshot:
-    """Pass: returns whether it changed the graph; `matches` holds the last count."""
-
-    name = "fuse_window_snapshot"
-
-    def __init__(self):
-        self.matches = 0
-
-    def __call__(self, gm: torch.fx.GraphModule) -> bool:
-        self.matches = REWRITE.apply(gm)
-        return self.matches > 0

@@ -1,5 +1,6 @@
-"""The dependency rule: runtime imports neither passes nor exporter; passes not exporter;
-no import cycle between modules. Checked over every module of every sub-package, with
+"""The dependency rule: runtime imports nothing of passes but the rewrite kit (passes.kit),
+and nothing of exporter; passes not exporter; the kit nothing of passes outside itself; no
+import cycle between modules. Checked over every module of every sub-package, with
 imports inside functions counted too (a late import does not make a cycle go away)."""
 
 from __future__ import annotations
@@ -17,7 +18,24 @@ from paths import ROOT
 ROOT_PACKAGE = "b12x_toolchain"
 FOLDERS = {"exporter": f"{ROOT_PACKAGE}.exporter", "passes": f"{ROOT_PACKAGE}.passes",
            "runtime": f"{ROOT_PACKAGE}.runtime", ROOT_PACKAGE: ROOT_PACKAGE}
-FORBIDDEN = {"runtime": ("exporter", "passes"), "passes": ("exporter",)}
+# layer -> (forbidden, allowed inside those): the runtime replays (and compiles) graphs with the
+# rewrite kit, so it may import the kit; the kit must stay free of the exporter's rewrites.
+RULES = {
+    "runtime": (("exporter", "passes"), ("passes.kit",)),
+    "passes": (("exporter",), ()),
+    "passes.kit": (("exporter", "passes"), ("passes.kit",)),
+}
+
+
+def layer_of(name: str) -> str:
+    """The most specific layer in RULES a module belongs to ("" for the root package)."""
+    parts = name.split(".")[1:]
+    candidates = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
+    return next((c for c in candidates if c in RULES), "")
+
+
+def under(target: str, layers: tuple) -> bool:
+    return any(target == f"{ROOT_PACKAGE}.{layer}" or target.startswith(f"{ROOT_PACKAGE}.{layer}.") for layer in layers)
 
 
 def modules() -> dict[str, Path]:
@@ -63,12 +81,24 @@ def test_every_sub_package_is_scanned_and_packaged():
 def test_no_forbidden_imports_in_any_module():
     offenders = []
     for name, path in modules().items():
-        layer = name.split(".")[1] if name.count(".") else ""
-        for banned in FORBIDDEN.get(layer, ()):
-            prefix = f"{ROOT_PACKAGE}.{banned}"
-            offenders += [f"{path.relative_to(ROOT)}: {target}" for target in imported_names(path)
-                          if target == prefix or target.startswith(prefix + ".")]
+        forbidden, allowed = RULES.get(layer_of(name), ((), ()))
+        offenders += [f"{path.relative_to(ROOT)}: {target}" for target in imported_names(path)
+                      if under(target, forbidden) and not under(target, allowed)]
     assert offenders == []
+
+
+def test_the_rules_allow_only_the_kit():
+    # The exceptions are exact: the runtime may reach the kit, not the fusion beside it.
+    runtime, kit = f"{ROOT_PACKAGE}.runtime.session.compiled", f"{ROOT_PACKAGE}.passes.kit.manager"
+    assert layer_of(runtime) == "runtime" and layer_of(kit) == "passes.kit"
+    assert layer_of(f"{ROOT_PACKAGE}.passes.fuse_window_snapshot") == "passes"
+    forbidden, allowed = RULES["runtime"]
+    assert under(f"{ROOT_PACKAGE}.passes.kit.pair_rewrite", forbidden) and under(f"{ROOT_PACKAGE}.passes.kit", allowed)
+    assert under(f"{ROOT_PACKAGE}.passes.fuse_window_snapshot", forbidden)
+    assert not under(f"{ROOT_PACKAGE}.passes.fuse_window_snapshot", allowed)
+    assert not under(f"{ROOT_PACKAGE}.passes.kitchen", allowed)  # a prefix of a name is not the kit
+    forbidden, allowed = RULES["passes.kit"]
+    assert under(f"{ROOT_PACKAGE}.passes.pipeline", forbidden) and not under(f"{ROOT_PACKAGE}.passes.pipeline", allowed)
 
 
 def test_no_import_cycle_between_modules():
@@ -88,7 +118,10 @@ def test_loading_a_package_pulls_in_no_exporter_code(fused_path):
     code = (
         "import sys; from b12x_toolchain.runtime import load, Decoder;"
         f"Decoder(load({str(fused_path)!r}).session(slots=1)).generate([[1, 2]], 2);"
-        "bad = sorted(m for m in sys.modules if m.startswith(('b12x_toolchain.exporter', 'b12x_toolchain.passes')));"
+        # The rewrite kit may come with the runtime (it lowers graphs for Inductor); nothing else of passes.
+        "kit = ('b12x_toolchain.passes', 'b12x_toolchain.passes.kit');"
+        "bad = sorted(m for m in sys.modules if m.startswith(('b12x_toolchain.exporter', 'b12x_toolchain.passes'))"
+        " and m not in kit and not m.startswith('b12x_toolchain.passes.kit.'));"
         "print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

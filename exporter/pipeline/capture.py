@@ -21,7 +21,8 @@ from torch._guards import detect_fake_mode
 from torch.export import Dim
 
 from b12x_toolchain.exporter.model.pass_modules import PassModule
-from b12x_toolchain.exporter.pipeline.layer_copies import copying_layers, stitch
+from b12x_toolchain.exporter.pipeline.layer_copies import copying_layers
+from b12x_toolchain.exporter.pipeline.stitch_layer_copies import stitch
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.kinds import POOLS
 
@@ -61,7 +62,7 @@ def no_stack_traces():
 def capture(module: PassModule, weights: dict[str, torch.Tensor], device="cpu",
             copy_layers: bool = True) -> torch.export.ExportedProgram:
     """The pass as an ExportedProgram. With `copy_layers`, each kind of target layer is traced
-    once and copied for the others (layer_copies.py): the same graph in a fraction of the time."""
+    once and copied for the others (layer_copies.py, stitch_layer_copies.py): the same graph in a fraction of the time."""
     inputs, _ = module.convention()
     dims = _dims()
     fake = detect_fake_mode(tuple(weights.values()))
@@ -83,7 +84,7 @@ def capture(module: PassModule, weights: dict[str, torch.Tensor], device="cpu",
             program = torch.export.export(module, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
         finally:
             module.copies = None
-    stitch(program)
+    stitch(program, module.name)
     # Sample inputs are pickled into the archive; a package carries none.
     program._example_inputs = None
     return program

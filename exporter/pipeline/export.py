@@ -17,7 +17,7 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
 from b12x_toolchain.exporter.model.weights import init_weights
-from b12x_toolchain.passes.manager import PassRecord
+from b12x_toolchain.passes.kit import PassResult
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.contract import described
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
@@ -32,7 +32,7 @@ from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-export
 class ExportResult:
     path: Path
     abi_fingerprint: str
-    records: dict[str, list[PassRecord]] = field(default_factory=dict)
+    records: dict[str, list[PassResult]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # per pass: capture, rewrites, serialisation
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # per pass: the same in CPU time
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # per pass: of the process that exported it
@@ -54,7 +54,7 @@ def tool_versions() -> dict:
     }
 
 
-def check_matches(recipe, pass_name: str, records: list[PassRecord]) -> None:
+def check_matches(recipe, pass_name: str, records: list[PassResult]) -> None:
     found = {r.name: r.matches for r in records}
     for rewrite in recipe.rewrites:
         expected = rewrite.expect_matches[pass_name]
@@ -94,7 +94,7 @@ def buffer_table(conventions: list[list]) -> dict[str, dict]:
 
 
 def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | None = None,
-                   on_pass: Callable[[str, list[PassRecord]], None] | None = None, *,
+                   on_pass: Callable[[str, list[PassResult]], None] | None = None, *,
                    structural: bool = False, checksums: dict[str, str] | None = None,
                    dump_dir: Path | None = None, on_capture: Callable[[str], None] | None = None,
                    jobs: int = 1, weights_source: str | None = None) -> ExportResult:

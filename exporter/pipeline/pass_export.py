@@ -27,7 +27,8 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.pipeline.rank_group import rank_group
 from b12x_toolchain.runtime.parallel.group import collective_counts
-from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x_toolchain.passes.kit import PassError, PassResult, run_passes
+from b12x_toolchain.passes.pipeline import build_pipeline
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
 
@@ -54,7 +55,7 @@ class PassJob:
 class PassOutput:
     name: str
     graph: bytes
-    records: list[PassRecord]
+    records: list[PassResult]
     inputs: list[BufferSpec]
     outputs: list[BufferSpec]
     seconds: float  # wall time: capture, rewrites, serialisation
@@ -84,7 +85,7 @@ def export_pass(job: PassJob) -> PassOutput:
             dump.write(job.name, 0, "captured", program.graph_module, inputs, outputs)
         # One rewrite at a time, so the graph can be dumped after each.
         for i, rewrite in enumerate(build_pipeline(job.pipeline), 1):
-            records += run_pipeline(program.graph_module, [rewrite], job.name)
+            records += run_passes(program.graph_module, [rewrite], job.name)
             if dump is not None:
                 dump.write(job.name, i, rewrite.name, program.graph_module, inputs, outputs)
     except PassError as exc:

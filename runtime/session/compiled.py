@@ -33,10 +33,9 @@ from pathlib import Path
 
 import torch
 
-from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.ops import opset, sparse_ops
-from b12x_toolchain.runtime.ops.mhc_ops import sinkhorn_unfused
-from b12x_toolchain.runtime.ops.opset import RAW_BYTES, ops
+from b12x_toolchain.passes.kit import PassResult, run_passes
+from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
+from b12x_toolchain.runtime.session.split_encoding_writes import SPLIT_ENCODING_WRITES
 
 CACHE_ENV = "B12X_COMPILE_CACHE"  # root of the local compile cache (default ~/.cache/b12x/compiled)
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"  # where Inductor reads and writes its caches
@@ -99,51 +98,9 @@ class CompiledGraph:
         return self._compiled(*args)
 
 
-WRITES = {ops.write_rows.default: (1, 5), ops.write_slots.default: (1, 3)}  # op -> (values, fmt) argument index
-ALWAYS = lambda args: True  # noqa: E731
-REFERENCES = {
-    ops.round_trip.default: (opset.round_trip, ALWAYS),
-    ops.gather_rows.default: (opset.gather_rows, ALWAYS),
-    ops.window_read.default: (opset.window_read, ALWAYS),
-    ops.read_rows.default: (opset.read_rows, ALWAYS),
-    ops.hc_sinkhorn.default: (sinkhorn_unfused, ALWAYS),
-    # Window only (no entry cache) or the indexer's listed ids: static shapes. Every visible
-    # entry (no indices) is as many as the context holds, so that form stays the op.
-    ops.sparse_attention.default: (sparse_ops.sparse_attention, lambda args: args[4] is None or args[8] is not None),
-}
-"""Ops that only compute from their inputs, with static shapes (where the condition on the
-node's arguments holds): Inductor traces their torch references and fuses them
-(hc_sinkhorn as its written-out loop)."""
-
-
-def encode_rows(values: torch.Tensor, fmt: str) -> torch.Tensor:
-    return get_format(fmt).encode(values)
-
-
-def lower_for_inductor(graph: torch.fx.GraphModule) -> dict[str, int]:
-    """Open the op set's elementwise work to Inductor; returns how many nodes each change took.
-
-    On the CPU an opaque op runs its reference step by step: the codecs alone are dozens of
-    small elementwise ops per call, which is what Inductor fuses best. So pure ops become
-    calls of their references, and each cache write that encodes is split into the
-    encoding, in the graph, and the op copying the encoded records (fmt "bytes"), which
-    writes the same bytes. The ops that scatter or select by data stay themselves.
-    """
-    counts = {"references": 0, "split_writes": 0}
-    for node in graph.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in REFERENCES and REFERENCES[node.target][1](node.args):
-            node.target = REFERENCES[node.target][0]
-            counts["references"] += 1
-        elif node.target in WRITES and node.args[WRITES[node.target][1]] != RAW_BYTES:
-            values_at, fmt_at = WRITES[node.target]
-            with graph.graph.inserting_before(node):
-                encoded = graph.graph.call_function(encode_rows, (node.args[values_at], node.args[fmt_at]))
-            args = list(node.args)
-            args[values_at], args[fmt_at] = encoded, RAW_BYTES
-            node.args = tuple(args)
-            counts["split_writes"] += 1
-    graph.recompile()
-    return counts
-
+def lower_for_inductor(graph: torch.fx.GraphModule) -> list[PassResult]:
+    """Open the op set's elementwise work to Inductor: pure ops become calls of their
+    references (reference_ops.py) and each cache write that encodes becomes the encoding plus
+    a byte copy (split_encoding_writes.py). The ops that scatter or select by data stay
+    themselves. Returns each pass's result."""
+    return run_passes(graph, [INLINE_REFERENCES, SPLIT_ENCODING_WRITES], "compiled replay")

@@ -1,12 +1,14 @@
 """Graph replay per (pass, rows bucket): captured once on CUDA, run directly on the CPU.
 
 A step of a bucket is "run the pass graph on the bucket's fixed argument list, copy its
-results into the bucket's static outputs". On CUDA each bucket's step is warmed up on a
-side stream (Triton compiles, cuBLAS sets up) and captured once into a CUDA graph; all
-graphs share one memory pool, which is safe because a step keeps nothing alive past its
-end (results are copied into static outputs the session owns) and replays never overlap.
-A replay is then one `graph.replay()`: no host work beyond the caller's input copies.
-On the CPU the same bookkeeping runs the step directly.
+results into the bucket's static outputs". With a capture backend (capture.py; CUDA
+graphs by default on a CUDA device) each bucket's step is warmed up and captured once,
+and a replay is then one `replay()` of what was captured: no host work beyond the
+caller's input copies. Without one (the CPU's default) a replay runs the step directly.
+
+Warm-up really runs the pass, on whatever the bucket's static inputs hold. So before it,
+every row of them is set to the value of a padding row (the bucket's `padding`, chosen by
+input kind: the scratch slot, no page, zero), and no request's cache or page changes.
 
 A captured graph holds raw addresses. If the caller rebinds a cache or staging buffer
 after the session was prepared, the graph would keep writing the old memory while the
@@ -21,7 +23,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from b12x_toolchain.runtime.ops import opset as ops
+from b12x_toolchain.runtime.session.capture import CaptureBackend, CudaGraphCapture, Replayable
 from b12x_toolchain.runtime.session.validate import BufferError
 
 WARMUP_STEPS = 2  # the first compiles and autotunes; the second runs what capture records
@@ -37,20 +39,37 @@ def step(bucket) -> None:
         out.copy_(result[name])
 
 
+def route_to_padding(bucket) -> None:
+    """Set every row of the bucket's static inputs to its padding value (bucket.padding,
+    by input kind), so that running the step touches only the scratch slot and no page."""
+    missing = sorted(set(bucket.inputs) - set(bucket.padding))
+    if missing:
+        raise ValueError(f"the {bucket.rows}-row bucket has no padding value for inputs {missing}; "
+                         "warm-up would run them on whatever rows they hold")
+    for name, static in bucket.inputs.items():
+        static.fill_(bucket.padding[name])
+
+
+def default_capture(device: torch.device) -> CaptureBackend | None:
+    """CUDA graphs on a CUDA device; elsewhere replays run the step directly."""
+    return CudaGraphCapture(device) if device.type == "cuda" else None
+
+
 class GraphRunner:
-    def __init__(self, device, owned: Sequence[Mapping[str, torch.Tensor]], scratch_slot: int):
+    def __init__(self, device, owned: Sequence[Mapping[str, torch.Tensor]], capture: CaptureBackend | None = None):
+        """capture: the backend that captures each bucket's step (capture.py); by default
+        CUDA graphs on a CUDA device and none elsewhere."""
         self.device = torch.device(device)
-        self.capture = self.device.type == "cuda"
-        if self.capture and not ops.CUDA_KERNELS:
-            raise RuntimeError(f"a CUDA session needs the Triton kernels of op set v{ops.OPSET_VERSION}: install triton "
-                               "(pip install 'b12x[cuda]')")
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.scratch_slot = scratch_slot
+        self.backend = capture if capture is not None else default_capture(self.device)
         self._owned = owned
         self._names = [name for mapping in owned for name in mapping]
         self._pointers = self._current()
         self._buckets: dict[str, dict[int, object]] = {}
-        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[str, int], Replayable] = {}
+
+    @property
+    def captures(self) -> bool:
+        return self.backend is not None
 
     def _current(self) -> list[int]:
         return [t.data_ptr() for mapping in self._owned for t in mapping.values()]
@@ -58,28 +77,18 @@ class GraphRunner:
     # -- preparation ------------------------------------------------------------------
 
     def add(self, pass_name: str, bucket) -> None:
-        """Take a prepared bucket; on CUDA, warm it up and capture its step."""
+        """Take a prepared bucket; with a capture backend, warm it up and capture its step."""
         self._buckets.setdefault(pass_name, {})[bucket.rows] = bucket
-        if self.capture:
+        if self.captures:
             self._graphs[(pass_name, bucket.rows)] = self._capture(bucket)
 
-    def _capture(self, bucket) -> torch.cuda.CUDAGraph:
-        # Warm-up really runs the pass: point every row at the scratch slot so that no
-        # request's cache changes (staging, inputs and outputs are reusable anyway).
-        slots = getattr(bucket, "slot_input", None)  # the input of kind slot_ids (session.Bucket)
-        if slots in bucket.inputs:
-            bucket.inputs[slots].fill_(self.scratch_slot)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+    def _capture(self, bucket) -> Replayable:
+        self.check_buffers()  # a graph captured on a rebound buffer would fail every later check
+        route_to_padding(bucket)  # warm-up really runs the pass: on the scratch slot, no page
+        with self.backend.warming_up():
             for _ in range(WARMUP_STEPS):
                 step(bucket)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept so its nodes can be inspected
-        with torch.cuda.graph(graph, pool=self.pool):
-            step(bucket)
-        graph.instantiate()
-        return graph
+        return self.backend.record(lambda: step(bucket))
 
     # -- replay -----------------------------------------------------------------------
 
@@ -121,6 +130,6 @@ class GraphRunner:
         else:
             graph.replay()
 
-    def graph(self, pass_name: str, rows: int) -> torch.cuda.CUDAGraph | None:
-        """The captured graph of a bucket (None on the CPU), e.g. to count its nodes."""
+    def graph(self, pass_name: str, rows: int) -> Replayable | None:
+        """The captured graph of a bucket (None without capture), e.g. to count its nodes."""
         return self._graphs.get((pass_name, rows))

@@ -56,7 +56,11 @@ class Bucket:
 class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                  pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                 compile=False, compile_cache=None, passes=None):
+                 compile=False, compile_cache=None, capture=None, passes=None):
+        """capture: how each bucket's step is captured (graph_runner.py): by default CUDA
+        graphs on a CUDA device and none elsewhere; capture.RecordingCapture() runs the
+        capture path off the GPU. passes: the pass names to prepare (default: all); only
+        their graphs are deserialised (package/pass_graph.py)."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.package, self.device = package, torch.device(device)
@@ -76,7 +80,7 @@ class Session:
         if len(lengths) != 1:
             raise BufferError(f"expected one seq_len cache, the package has {lengths}")
         self.seq_len_buffer = lengths[0]
-        self.graphs = GraphRunner(self.device, (self.caches, self.staging), self.scratch_slot)
+        self.graphs = GraphRunner(self.device, (self.caches, self.staging), capture)
         self.compiled_passes = self._compiled_passes(compile)
         self.compile_cache = cache_dir(package, self.device, compile_cache) if self.compiled_passes else None
         # Only the passes it replays: each is deserialised when first prepared (pass_graph.py).

@@ -1,4 +1,4 @@
-"""Single-layer window graphs shared by the pass tests."""
+"""Single-layer window graphs shared by the pass tests, and their structural comparison."""
 
 from __future__ import annotations
 
@@ -40,3 +40,18 @@ def layer_inputs(history=HISTORY, layout=LAYOUT, page_size=PAGE) -> tuple:
 
 def export(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
     return torch.export.export(module, args, strict=False).graph_module
+
+
+def structure(gm: torch.fx.GraphModule) -> list:
+    """Every node as (op, target, args), argument nodes replaced by their position.
+
+    Two graphs with the same structure compute the same thing whatever their nodes are
+    called; placeholders keep their names because they are the calling convention.
+    """
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    rows = []
+    for n in gm.graph.nodes:
+        args = torch.fx.node.map_arg(n.args, lambda a: ("node", index[a]))
+        target = n.target if n.op == "placeholder" else str(n.target)
+        rows.append((n.op, target, args))
+    return rows

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
-from b12x_toolchain.passes.dependency import dependency_graph, order, tensor_args
+from b12x_toolchain.passes.kit.dependency import dependency_graph, order, tensor_args
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,

@@ -11,32 +11,18 @@ import pytest
 import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
-from b12x_toolchain.passes.fuse_window_snapshot import FuseWindowSnapshot
+from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT as fuse
 from b12x_toolchain.runtime.formats.layout import staging_shape
 from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, ring, staging, kv, row_input, layer_inputs, export,
+    structure,
 )
 
 
 def call_targets(gm: torch.fx.GraphModule) -> list:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
-
-
-def structure(gm: torch.fx.GraphModule) -> list:
-    """Every node as (op, target, args), argument nodes replaced by their position.
-
-    Two graphs with the same structure compute the same thing whatever their nodes are
-    called; placeholders keep their names because they are the calling convention.
-    """
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    rows = []
-    for n in gm.graph.nodes:
-        args = torch.fx.node.map_arg(n.args, lambda a: ("node", index[a]))
-        target = n.target if n.op == "placeholder" else str(n.target)
-        rows.append((n.op, target, args))
-    return rows
 
 
 def node_list(gm: torch.fx.GraphModule) -> list:
@@ -165,9 +151,9 @@ def test_pair_becomes_the_fused_op():
     nodes_before = len(gm.graph.nodes)
     assert call_targets(gm) == [ops.window_snapshot.default, ops.cache_append.default, ops.window_read.default]
 
-    fuse = FuseWindowSnapshot()
-    assert fuse(gm) is True
-    assert fuse.matches == 1
+    result = fuse(gm)
+    assert (result.changed, result.matches) == (True, 1)
+    assert (result.nodes_before, result.nodes_after) == (3, 2)
     assert len(gm.graph.nodes) == nodes_before - 1
     assert call_targets(gm) == call_targets(expected)
     # Same arguments too: the fused op takes ring/row_ids/positions from the snapshot
@@ -179,7 +165,7 @@ def test_pair_becomes_the_fused_op():
 def test_fused_graph_writes_the_same_bytes():
     unfused = export(SnapshotAppendRead(), *layer_inputs())
     fused = export(SnapshotAppendRead(), *layer_inputs())
-    assert FuseWindowSnapshot()(fused)
+    assert fuse(fused).changed
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         layer = random_layer(gen)
@@ -199,9 +185,8 @@ def test_two_layers_matched_by_staging_buffer(case):
     unfused = export(TwoLayers(steps), *two_layer_inputs())
     expected = export(TwoLayersFused(steps), *two_layer_inputs())
 
-    fuse = FuseWindowSnapshot()
-    assert fuse(gm) is True
-    assert fuse.matches == 2
+    result = fuse(gm)
+    assert (result.changed, result.matches) == (True, 2)
     # The fused ops' staging, ring and kv arguments show which snapshot went with which
     # append: the structure matches only if every pair shares its staging buffer.
     assert structure(gm) == structure(expected)
@@ -296,9 +281,8 @@ def test_not_fused_when_illegal(case):
     assert ops.cache_append.default in call_targets(gm)
     before = node_list(gm)
 
-    fuse = FuseWindowSnapshot()
-    assert fuse(gm) is False
-    assert fuse.matches == 0
+    result = fuse(gm)
+    assert (result.changed, result.matches) == (False, 0)
     assert node_list(gm) == before
 
 
@@ -307,7 +291,7 @@ def test_reader_in_a_list_argument_still_sees_only_the_snapshot():
     # so the cat reads the staging buffer before the snapshot wrote it.
     unfused = export(CatBetween(), *layer_inputs())
     rewritten = export(CatBetween(), *layer_inputs())
-    FuseWindowSnapshot()(rewritten)
+    fuse(rewritten)
     layer = random_layer(torch.Generator().manual_seed(2))
     inputs = [layer["ring"], staging(), layer["kv"], layer["row_ids"], layer["positions"]]
     assert_same_results(unfused, rewritten, inputs)
@@ -348,7 +332,7 @@ def test_unqualified_match_refused_without_half_rewrite(case):
     before = node_list(gm)
 
     with pytest.raises(UnsupportedConfiguration) as info:
-        FuseWindowSnapshot()(gm)
+        fuse(gm)
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message
@@ -371,5 +355,5 @@ def test_unqualified_history_alone():
     gm = export(Layer64(), *inputs)
     before = node_list(gm)
     with pytest.raises(UnsupportedConfiguration, match=r"history length 64 .*\[128\]"):
-        FuseWindowSnapshot()(gm)
+        fuse(gm)
     assert node_list(gm) == before

@@ -1,4 +1,4 @@
-"""Pass manager: pipeline records, invariant checks after every pass, and error naming."""
+"""The kit's pass manager: pass results, invariant checks after every pass, and error naming."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
-from b12x_toolchain.passes.fuse_window_snapshot import FuseWindowSnapshot
-from b12x_toolchain.passes.invariants import check_invariants, signature
-from b12x_toolchain.passes.manager import PassError, PassRecord, build_pipeline, run_pipeline
+from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT
+from b12x_toolchain.passes.kit import PassError, PassResult, RewritePass, run_passes
+from b12x_toolchain.passes.kit.invariants import check_invariants, signature
+from b12x_toolchain.passes.pipeline import build_pipeline
 
 from .layer_graphs import (  # noqa: F401
     ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,
@@ -44,38 +45,59 @@ def find(gm: torch.fx.GraphModule, op: str, target=None) -> torch.fx.Node:
     return next(n for n in gm.graph.nodes if n.op == op and (target is None or n.target == target))
 
 
-# ----------------------------------------------------------------------------- records
+# ----------------------------------------------------------------------------- results
 
 
-def test_records_nodes_and_matches():
+def test_results_count_nodes_and_matches():
     gm = layer_graph()
-    records = run_pipeline(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
+    results = run_passes(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
     # call_function nodes only: snapshot, append, two reads -> fused op, two reads.
-    assert records == [PassRecord("fuse_window_snapshot", True, 1, 4, 3)]
-    assert records[0].to_json() == {"matches": 1, "nodes_before": 4, "nodes_after": 3}
+    assert results == [PassResult("fuse_window_snapshot", True, 1, 4, 3)]
+    assert results[0].to_json() == {"matches": 1, "nodes_before": 4, "nodes_after": 3}
 
     # A second run finds nothing left to fuse and says so.
-    again = run_pipeline(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
-    assert again == [PassRecord("fuse_window_snapshot", False, 0, 3, 3)]
+    again = run_passes(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
+    assert again == [PassResult("fuse_window_snapshot", False, 0, 3, 3)]
 
 
-def test_records_passes_without_a_match_count():
-    class Noop:
-        name = "noop"
+class Noop(RewritePass):
+    name = "noop"
 
-        def __call__(self, gm):
-            return False
+    def rewrite(self, gm):
+        return 0
 
-    records = run_pipeline(layer_graph(), [Noop(), FuseWindowSnapshot()], GRAPH)
-    assert [(r.name, r.changed, r.matches, r.nodes_before, r.nodes_after) for r in records] == [
+
+class EraseOneRead(RewritePass):
+    """Removes a node without counting a match: a change all the same."""
+
+    name = "erase_one_read"
+
+    def rewrite(self, gm):
+        read = [n for n in gm.graph.nodes if n.target == ops.window_read.default][-1]
+        read.replace_all_uses_with(read.args[0])
+        gm.graph.erase_node(read)
+        return 0
+
+
+def test_results_of_passes_without_matches():
+    results = run_passes(layer_graph(), [Noop(), FUSE_WINDOW_SNAPSHOT, EraseOneRead()], GRAPH)
+    assert [(r.name, r.changed, r.matches, r.nodes_before, r.nodes_after) for r in results] == [
         ("noop", False, 0, 4, 4),
         ("fuse_window_snapshot", True, 1, 4, 3),
+        ("erase_one_read", True, 0, 3, 2),
     ]
 
 
+def test_a_pass_keeps_no_state_between_graphs():
+    # The same instance on two graphs: each result is its own graph's.
+    fused, untouched = layer_graph(), layer_graph()
+    FUSE_WINDOW_SNAPSHOT(fused)
+    assert FUSE_WINDOW_SNAPSHOT(fused) == PassResult("fuse_window_snapshot", False, 0, 3, 3)
+    assert FUSE_WINDOW_SNAPSHOT(untouched) == PassResult("fuse_window_snapshot", True, 1, 4, 3)
+
+
 def test_build_pipeline():
-    pipeline = build_pipeline(["fuse_window_snapshot"])
-    assert len(pipeline) == 1 and isinstance(pipeline[0], FuseWindowSnapshot)
+    assert build_pipeline(["fuse_window_snapshot"]) == [FUSE_WINDOW_SNAPSHOT]
     assert build_pipeline([]) == []
 
 
@@ -135,15 +157,15 @@ BROKEN = {
 def test_broken_pass_is_named(case):
     body, problem = BROKEN[case]
 
-    class BreakGraph:
+    class BreakGraph(RewritePass):
         name = "break_graph"
 
-        def __call__(self, gm):
+        def rewrite(self, gm):
             body(gm)
-            return True
+            return 1
 
     with pytest.raises(PassError) as info:
-        run_pipeline(layer_graph(), [FuseWindowSnapshot(), BreakGraph()], GRAPH)
+        run_passes(layer_graph(), [FUSE_WINDOW_SNAPSHOT, BreakGraph()], GRAPH)
     message = str(info.value)
     assert "break_graph" in message
     assert f"{GRAPH} graph" in message
@@ -152,14 +174,14 @@ def test_broken_pass_is_named(case):
 
 
 def test_raising_pass_is_named():
-    class Explode:
+    class Explode(RewritePass):
         name = "explode"
 
-        def __call__(self, gm):
+        def rewrite(self, gm):
             raise ValueError("boom")
 
     with pytest.raises(PassError) as info:
-        run_pipeline(layer_graph(), [Explode()], GRAPH)
+        run_passes(layer_graph(), [Explode()], GRAPH)
     message = str(info.value)
     assert "explode" in message and f"{GRAPH} graph" in message and "boom" in message
     assert isinstance(info.value.__cause__, ValueError)
@@ -171,7 +193,7 @@ def test_raising_pass_is_named():
 def test_clean_graph_has_no_problems():
     gm = layer_graph()
     assert check_invariants(gm, signature(gm.graph)) == []
-    FuseWindowSnapshot()(gm)
+    FUSE_WINDOW_SNAPSHOT(gm)
     assert check_invariants(gm, signature(layer_graph().graph)) == []
 
 

@@ -1,8 +1,9 @@
 """Layers traced once and copied: the graph a direct capture gives, node for node, in less time.
 
-Toy modules show the mechanism (the graph before and after stitching, numbers against
-the direct capture, refusals); a recipe with every layer kind repeated shows it on the
-model, for a pass of each cache access (direct, staged) and for the draft stages.
+Toy modules show the mechanism (the graph before stitching, and after it compared with the
+graph expected, the direct capture's; numbers against the module itself; refusals); a
+recipe with every layer kind repeated shows it on the model, for a pass of each cache
+access (direct, staged) and for the draft stages.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import yaml
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline import capture as capture_module
 from b12x_toolchain.exporter.pipeline.capture import capture, no_stack_traces
-from b12x_toolchain.exporter.pipeline.layer_copies import COPY, MARKERS, StitchError, copying_layers, stitch
+from b12x_toolchain.exporter.pipeline.layer_copies import COPY, MARKERS, copying_layers
+from b12x_toolchain.exporter.pipeline.stitch_layer_copies import StitchError, stitch
 from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import parse_recipe
+from b12x_toolchain.passes.kit import PassError, PassResult, count_nodes
 
 pytestmark = pytest.mark.slow(minutes=2)
 
@@ -86,12 +89,13 @@ def test_toy_stack_traces_each_kind_once_and_stitches_to_the_direct_graph():
     # Before: layer 0 and layer 2 (the wider weight) traced between markers, 1 and 3 stubbed.
     assert before.count(MARKERS[0]) == 2 and before.count(MARKERS[1]) == 2 and before.count(COPY) == 2
     assert before.count(torch.ops.aten.tanh.default) == 2
-    assert stitch(program) == 2
+    direct = _export_stack(Stack(), copy_layers=False)  # the graph expected after stitching
+    nodes_before, nodes_expected = count_nodes(program.graph_module), count_nodes(direct.graph_module)
+    assert stitch(program, "toy") == PassResult("stitch_layer_copies", True, 2, nodes_before, nodes_expected)
     after = [n.target for n in program.graph.nodes]
     assert not {*MARKERS, COPY} & set(after)
     assert after.count(torch.ops.aten.tanh.default) == 4 and after.count(torch.ops.aten.copy_.default) == 4
-    direct = _export_stack(Stack(), copy_layers=False)
-    assert stitch(direct) == 0
+    assert stitch(direct, "toy") == PassResult("stitch_layer_copies", False, 0, nodes_expected, nodes_expected)
     assert canonical(program.graph_module) == canonical(direct.graph_module)
     assert program_bytes(program) == program_bytes(direct)
     # Numbers: the stitched program against the module itself, outputs and every cache written.
@@ -106,8 +110,10 @@ def test_toy_stack_traces_each_kind_once_and_stitches_to_the_direct_graph():
 
 def test_stitch_refuses_a_template_that_reads_another_layers_nodes():
     program = _export_stack(Stack(leak=True), copy_layers=True)
-    with pytest.raises(StitchError, match=r"layer template 1: node \w+ reads \w+, which belongs to another layer"):
-        stitch(program)
+    with pytest.raises(PassError, match=r"pass stitch_layer_copies failed on the toy graph: layer template 1: "
+                                        r"node \w+ reads \w+, which belongs to another layer") as info:
+        stitch(program, "toy")
+    assert isinstance(info.value.__cause__, StitchError)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +132,7 @@ def repeated():
 @pytest.mark.parametrize("name, copies", [("prefill", 14), ("verify", 14), ("draft", 2)])
 def test_copied_layers_give_the_graph_of_a_direct_capture(repeated, name, copies, monkeypatch):
     made = []
-    monkeypatch.setattr(capture_module, "stitch", lambda program: made.append(stitch(program)))
+    monkeypatch.setattr(capture_module, "stitch", lambda program, graph: made.append(stitch(program, graph).matches))
     copied = capture(PASSES[name](repeated), fake_weights(repeated))
     direct = capture(PASSES[name](repeated), fake_weights(repeated), copy_layers=False)
     # Attention halves: layers 1 and 2 repeat 0 (window), 5 repeats 4, 9 and 10 repeat 7 (Reuse,

@@ -9,7 +9,7 @@ import torch
 
 from b12x_toolchain.exporter.pipeline.export import ExportError, export_package
 from b12x_toolchain.exporter.recipe.loader import RecipeError
-from b12x_toolchain.passes.fuse_window_snapshot import REWRITE
+from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 from b12x_toolchain.runtime.session.validate import BufferError
@@ -36,13 +36,14 @@ def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.pass_modules import VerifyPass
     from b12x_toolchain.exporter.model.weights import init_weights
-    from b12x_toolchain.passes.manager import PassError, build_pipeline, run_pipeline
+    from b12x_toolchain.passes.kit import PassError, run_passes
+    from b12x_toolchain.passes.pipeline import build_pipeline
 
     recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
     dims = Dims.from_recipe(recipe)
     program = capture(VerifyPass(dims), init_weights(dims, 0))
     with pytest.raises(PassError, match=r"pass fuse_window_snapshot failed on the verify graph: .*history length 64"):
-        run_pipeline(program.graph_module, build_pipeline(["fuse_window_snapshot"]), "verify")
+        run_passes(program.graph_module, build_pipeline(["fuse_window_snapshot"]), "verify")
 
 
 def test_recipe_refuses_impossible_match_counts(small_recipe):
@@ -71,8 +72,8 @@ def test_session_refuses_a_fused_graph_for_an_unqualified_history(small_recipe, 
     """A package fused by another tool for history 64 is refused when buffers are bound."""
     recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
     package = load(export_package(recipe, tmp_path, fuse=False).path)
-    unchecked = dataclasses.replace(REWRITE, check=None)
-    assert unchecked.apply(package.passes["verify"].program.graph_module) == 2
+    unchecked = dataclasses.replace(FUSE_WINDOW_SNAPSHOT, check=None)
+    assert unchecked(package.passes["verify"].program.graph_module).matches == 2
     with pytest.raises(UnsupportedConfiguration, match=r"pass verify: .*history length 64 .*\[128\]"):
         package.session(slots=1)
 

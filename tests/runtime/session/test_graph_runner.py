@@ -21,6 +21,7 @@ class FakeBucket:
     def __init__(self, rows, cache):
         self.rows, self.cache, self.runs = rows, cache, 0
         self.inputs = {"row_ids": torch.zeros(rows, dtype=torch.int32)}
+        self.padding = {"row_ids": 9}  # the scratch slot
         self.outputs = {"out": torch.zeros(rows)}
 
     def run(self):
@@ -30,7 +31,7 @@ class FakeBucket:
 
 
 def _runner(caches, staging=None):
-    runner = GraphRunner("cpu", (caches, staging or {}), scratch_slot=9)
+    runner = GraphRunner("cpu", (caches, staging or {}))
     buckets = {rows: FakeBucket(rows, caches["c"]) for rows in (1, 2, 4)}
     for bucket in buckets.values():
         runner.add("verify", bucket)
@@ -49,9 +50,9 @@ def test_smallest_bucket_that_holds_the_rows():
 def test_cpu_replay_runs_the_step_and_fills_static_outputs():
     caches = {"c": torch.zeros(8, dtype=torch.int32)}
     runner, buckets = _runner(caches)
-    assert runner.capture is False and runner.graph("verify", 2) is None
+    assert runner.captures is False and runner.graph("verify", 2) is None
     runner.replay("verify", buckets[2])
-    assert buckets[2].runs == 1 and buckets[2].outputs["out"].tolist() == [1.0, 1.0]
+    assert buckets[2].runs == 1 and buckets[2].outputs["out"].tolist() == [1.0, 1.0]  # no warm-up ran
 
 
 def test_a_rebound_buffer_is_refused_before_anything_runs():
@@ -91,14 +92,6 @@ def test_a_bucket_the_runner_did_not_prepare_is_refused():
     runner, buckets = _runner(caches)
     with pytest.raises(ValueError, match="not one this runner prepared"):
         runner.replay("verify", FakeBucket(2, caches["c"]))
-
-
-def test_cuda_runner_needs_the_triton_kernels(monkeypatch):
-    from b12x_toolchain.runtime.ops import opset as ops
-
-    monkeypatch.setattr(ops, "CUDA_KERNELS", False)
-    with pytest.raises(RuntimeError, match="needs the Triton kernels"):
-        GraphRunner("cuda", ({},), scratch_slot=0)
 
 
 # ---------------------------------------------------------------- through a session

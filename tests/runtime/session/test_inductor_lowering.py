@@ -1,8 +1,11 @@
-"""lower_for_inductor: the pass graph before and after, compared by node, and run eagerly to the same bytes.
+"""lower_for_inductor: the graph before, the graph expected after, compared by structure, and
+the lowered graph run eagerly to the same bytes as the unrewritten one.
 
 The lowering is what the compiled replay hands Inductor. Run as a plain FX graph (no
 Inductor) it must compute exactly what the package's graph computes: the references are
-the ops' own implementations and a split write stores the same encoded records.
+the ops' own implementations and a split write stores the same encoded records. A toy
+layer shows each rule on its own (before module, expected module); the package's graphs
+show the rules' conditions on every node a real pass has.
 """
 
 from __future__ import annotations
@@ -13,17 +16,89 @@ import copy
 import pytest
 import torch
 
+from b12x_toolchain.passes.kit import PassResult, named_args
 from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.ops.opset import RAW_BYTES, ops
-from b12x_toolchain.runtime.session.compiled import REFERENCES, encode_rows, lower_for_inductor
+from b12x_toolchain.runtime.ops.opset import RAW_BYTES, ops, round_trip, window_read, gather_rows
+from b12x_toolchain.runtime.session.compiled import lower_for_inductor
+from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
+from b12x_toolchain.runtime.session.split_encoding_writes import encode_rows
 from conftest import random_tokens
+from passes.layer_graphs import DIM, FMT, HISTORY, ROWS, SLOTS, TOKENS, WIDTH, export, ring, staging, structure
 
-WRITES = {ops.write_rows.default: 5, ops.write_slots.default: 3}  # op -> fmt argument index
-LISTED_OR_WINDOW = lambda node: node.args[4] is None or node.args[8] is not None  # noqa: E731
+WRITES = (ops.write_rows.default, ops.write_slots.default)
+REFERENCES = {rule.op: rule.to for rule in INLINE_REFERENCES.rules}
+
+
+def static_attention(node) -> bool:
+    args = named_args(node)
+    return args["entry_cache"] is None or args["indices"] is not None
 
 
 def _targets(graph) -> collections.Counter:
     return collections.Counter(n.target for n in graph.graph.nodes if n.op == "call_function")
+
+
+# ----------------------------------------------------------------------------- one layer
+
+
+class Layer(torch.nn.Module):
+    """Before: an encoding write, a write of records already encoded, and three pure reads."""
+
+    def forward(self, ring, staging, kv, row_ids, index, valid, records):
+        ops.write_rows(ring, kv, row_ids, index, valid, FMT)
+        ops.write_rows(ring, records, row_ids, index, valid, RAW_BYTES)
+        history = ops.gather_rows(ring, row_ids, index, DIM, FMT)
+        return history, ops.round_trip(kv, FMT), ops.window_read(staging, TOKENS, DIM, FMT)
+
+
+class LayerLowered(torch.nn.Module):
+    """Expected after: the encoding in the graph, the write copying bytes, the reads as references."""
+
+    def forward(self, ring, staging, kv, row_ids, index, valid, records):
+        ops.write_rows.default(ring, encode_rows(kv, FMT), row_ids, index, valid, RAW_BYTES)
+        ops.write_rows.default(ring, records, row_ids, index, valid, RAW_BYTES)
+        history = gather_rows(ring, row_ids, index, DIM, FMT)
+        return history, round_trip(kv, FMT), window_read(staging, TOKENS, DIM, FMT)
+
+
+def layer_inputs(gen: torch.Generator | None = None) -> tuple:
+    gen = gen or torch.Generator().manual_seed(0)
+    values = torch.randn(ROWS, WIDTH, DIM, generator=gen) * 4
+    # Distinct rows and positions: a write hits each cache row at most once.
+    row_ids = torch.randperm(SLOTS, generator=gen)[:ROWS].int()
+    index = torch.stack([torch.randperm(HISTORY, generator=gen)[:WIDTH] for _ in range(ROWS)])
+    return (ring(), staging(), values, row_ids, index, torch.rand(ROWS, WIDTH, generator=gen) < 0.7,
+            encode_rows(torch.randn(ROWS, WIDTH, DIM, generator=gen), FMT))
+
+
+def traced(module: torch.nn.Module) -> torch.fx.GraphModule:
+    """The expected module as a graph: the references and the encoding stay calls, as the lowering leaves them."""
+    tracer = torch.fx.Tracer(autowrap_functions=(encode_rows, gather_rows, round_trip, window_read))
+    return torch.fx.GraphModule(module, tracer.trace(module))
+
+
+def test_the_lowering_gives_the_expected_graph():
+    gm = export(Layer(), *layer_inputs())
+    results = lower_for_inductor(gm)
+    assert results == [PassResult("inline_references", True, 3, 5, 5),
+                       PassResult("split_encoding_writes", True, 1, 5, 6)]
+    assert structure(gm) == structure(traced(LayerLowered()))
+
+
+def test_the_lowered_layer_computes_the_same_bytes():
+    unrewritten, lowered = export(Layer(), *layer_inputs()), export(Layer(), *layer_inputs())
+    lower_for_inductor(lowered)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        inputs = layer_inputs(gen)
+        a, b = [t.clone() for t in inputs], [t.clone() for t in inputs]
+        want, got = unrewritten(*a), lowered(*b)
+        assert all(torch.equal(x, y) for x, y in zip(want, got))
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # the ring, written twice
+        assert not torch.equal(a[0], inputs[0])  # the writes did write
+
+
+# ----------------------------------------------------------------------------- the package's graphs
 
 
 @pytest.mark.parametrize("pass_name", ["prefill", "decode", "verify"])
@@ -31,25 +106,26 @@ def test_the_lowered_graph_differs_only_where_it_should(small_path, pass_name):
     program = load(small_path).passes[pass_name].program
     before = program.graph_module
     after = copy.deepcopy(before)
-    counts = lower_for_inductor(after)
+    references, splits = lower_for_inductor(after)
 
     nodes = [n for n in before.graph.nodes if n.op == "call_function"]
     attention = [n for n in nodes if n.target == ops.sparse_attention.default]
     pure = sum(n.target in (ops.round_trip.default, ops.gather_rows.default, ops.window_read.default,
                             ops.read_rows.default, ops.hc_sinkhorn.default) for n in nodes)
-    encoding = [n for n in nodes if n.target in WRITES and n.args[WRITES[n.target]] != RAW_BYTES]
-    assert counts == {"references": pure + sum(map(LISTED_OR_WINDOW, attention)), "split_writes": len(encoding)}
-    assert counts["references"] > 0 and (pass_name == "verify" or counts["split_writes"] > 0)
+    encoding = [n for n in nodes if n.target in WRITES and named_args(n)["fmt"] != RAW_BYTES]
+    assert (references.matches, splits.matches) == (pure + sum(map(static_attention, attention)), len(encoding))
+    assert references.matches > 0 and (pass_name == "verify" or splits.matches > 0)
+    assert splits.nodes_after - references.nodes_before == len(encoding)  # one encoding node per split write
 
     was, now = _targets(before), _targets(after)
-    for op, (reference, _) in REFERENCES.items():
+    for op, reference in REFERENCES.items():
         assert now[op] == was[op] - (now[reference] - was[reference]), op  # each replaced node became its reference
-    assert now[ops.sparse_attention.default] == len(attention) - sum(map(LISTED_OR_WINDOW, attention))
+    assert now[ops.sparse_attention.default] == len(attention) - sum(map(static_attention, attention))
     assert now[encode_rows] == len(encoding)
     for node in after.graph.nodes:
         if node.target in WRITES:  # every write now copies encoded records, fed by the encoding
-            assert node.args[WRITES[node.target]] == RAW_BYTES
-    split = [n for n in after.graph.nodes if n.target in WRITES and n.args[1].target is encode_rows]
+            assert named_args(node)["fmt"] == RAW_BYTES
+    split = [n for n in after.graph.nodes if n.target in WRITES and named_args(n)["values"].target is encode_rows]
     assert len(split) == len(encoding)
 
 

@@ -1,7 +1,8 @@
 """Fuse two effectful ops into one, described as data.
 
-A `PairRewrite` names the first and second op, which arguments must be the same node or
-constant for the pair to match, and how the fused op's arguments are taken from the two.
+A `PairRewrite` is a pass: it names the first and second op, which arguments must be the
+same node or constant for the pair to match, and where each of the fused op's arguments
+(by schema name) is taken from.
 The fused node replaces the second op in program order; that is legal only when nothing
 that depends on the first op (a reader or writer of what it touches) runs before the
 second one, which the dependency graph answers.
@@ -14,24 +15,20 @@ from typing import Callable
 
 import torch.fx
 
-from b12x_toolchain.passes.dependency import dependency_graph, order
-
-
-def named_args(node: torch.fx.Node) -> dict:
-    schema = node.target._schema
-    values = dict(zip((a.name for a in schema.arguments), node.args))
-    values.update(node.kwargs)
-    return values
+from b12x_toolchain.passes.kit.dependency import dependency_graph, order
+from b12x_toolchain.passes.kit.rewrite_pass import RewritePass
+from b12x_toolchain.passes.kit.schema_args import named_args
 
 
 @dataclass(frozen=True)
-class PairRewrite:
+class PairRewrite(RewritePass):
+    name: str
     first: object  # OpOverload
     second: object
     fused: object
     same: tuple[tuple[str, str], ...]  # (first's argument, second's argument) that must be identical
     fused_args: tuple[tuple[str, str], ...]  # fused argument -> ("first" | "second", argument name)
-    check: Callable[[dict, dict], None] | None = None  # raises on a match it must refuse
+    check: Callable[[dict], None] | None = None  # on the fused op's arguments; raises on a match it must refuse
 
     def candidates(self, graph: torch.fx.Graph):
         """(first, second) pairs: each second op paired with the nearest earlier linked first op."""
@@ -50,7 +47,12 @@ class PairRewrite:
                         yield first, node
                         break
 
-    def apply(self, gm: torch.fx.GraphModule) -> int:
+    def _fused_op_args(self, first: torch.fx.Node, second: torch.fx.Node) -> dict:
+        """The fused op's arguments by schema name, taken from the pair's."""
+        source = {"first": named_args(first), "second": named_args(second)}
+        return {fused_name: source[side][name] for fused_name, (side, name) in self.fused_args}
+
+    def rewrite(self, gm: torch.fx.GraphModule) -> int:
         graph = gm.graph
         pairs = list(self.candidates(graph))
         if not pairs:
@@ -62,12 +64,12 @@ class PairRewrite:
             # depends on its effect (reader/writer of what it touches) runs in between.
             if not any(s is not second and order(dag, s) < order(dag, second) for s in dag.successors(first))
         ]
+        fused = [self._fused_op_args(first, second) for first, second in legal]
         if self.check is not None:  # refuse before touching the graph: no half-rewritten result
-            for first, second in legal:
-                self.check(named_args(first), named_args(second))
-        for first, second in legal:
-            source = {"first": named_args(first), "second": named_args(second)}
-            args = tuple(source[side][name] for _, (side, name) in self.fused_args)
+            for named in fused:
+                self.check(named)
+        for (first, second), named in zip(legal, fused):
+            args = tuple(named[a.name] for a in self.fused._schema.arguments)
             with graph.inserting_before(second):
                 node = graph.call_function(self.fused, args)
             node.meta.update(second.meta)

@@ -89,9 +89,5 @@ def dependency_graph(graph: torch.fx.Graph) -> nx.DiGraph:
     return dag
 
 
-def effect_successors(dag: nx.DiGraph, node: torch.fx.Node) -> list[torch.fx.Node]:
-    return list(dag.successors(node))
-
-
 def order(dag: nx.DiGraph, node: torch.fx.Node) -> int:
     return dag.nodes[node]["order"]
