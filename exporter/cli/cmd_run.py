@@ -113,7 +113,7 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report.
     A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
     from b12x_toolchain.runtime import PackageError, load
-    from b12x_toolchain.runtime.serving.engine import Engine
+    from b12x_toolchain.runtime.serving.engine import Engine, passes_used
     from b12x_toolchain.runtime.prefix.cache import PrefixCache
     from b12x_toolchain.runtime.serving.requests import check_request
     from b12x_toolchain.runtime.session.validate import InputError
@@ -151,7 +151,8 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
                           model.vocab_size, model.max_seq_len)
         buckets = loaded.passes["verify"].rows_buckets
         session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]), pages=pages,
-                                 cache_bytes=cache_bytes, compile=compiled)
+                                 cache_bytes=cache_bytes, compile=compiled,
+                                 passes=passes_used(loaded.passes, speculative=not greedy))
         if prefix_cache_dir is not None or prefix_cache_bytes is not None:
             budget = (1 << 30) if prefix_cache_bytes is None else prefix_cache_bytes
             cache = PrefixCache(loaded, l1_bytes=budget, l2_dir=prefix_cache_dir, l2_bytes=budget)

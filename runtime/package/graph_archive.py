@@ -31,7 +31,8 @@ ALLOWED = {
 }
 
 
-def check_archive(name: str, data: bytes) -> None:
+def check_archive(name: str, data: bytes) -> dict:
+    """The checked graph document of archive `name` (its models/model.json), or a PackageError."""
 
     def refuse(reason: str):
         raise PackageError(f"{name}: {reason}")
@@ -43,7 +44,7 @@ def check_archive(name: str, data: bytes) -> None:
         entries = archive.infolist()
     except zipfile.BadZipFile as exc:
         refuse(f"not a torch.export archive ({exc})")
-    names = [e.filename for e in entries]
+    names, document = [e.filename for e in entries], None
     if len(set(names)) != len(names):
         refuse("archive has duplicate entries")
     for entry in entries:
@@ -56,11 +57,12 @@ def check_archive(name: str, data: bytes) -> None:
         if kind == "empty" and body:
             refuse(f"archive entry {entry.filename!r} must be empty (no pickled sample inputs)")
         if kind == "json":  # the graph: every string torch would resolve is checked first
-            check_graph_json(name, body)
+            document = check_graph_json(name, body)
         if kind == "empty-config" and load_document(body, f"{name}: {entry.filename}") != EMPTY_CONFIG:
             refuse(f"archive entry {entry.filename!r} declares weights or constants; expected none")
     if "archive/models/model.json" not in names:
         refuse("archive has no archive/models/model.json graph")
+    return document
 
 
 ALLOWED_NAMESPACES = ("aten", NAMESPACE)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import io
 import os
 import stat
 from dataclasses import dataclass
@@ -25,11 +24,11 @@ import torch
 from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (graphs need the op set registered)
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.conventions import PassEntry, shared_buffers
-from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
+from b12x_toolchain.runtime.package.pass_graph import MEMOISED, PassGraph, load_graph, refuse_collectives  # noqa: F401
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.manifest import Manifest
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
-from b12x_toolchain.runtime.parallel.group import bind_group, refuse_collectives
+from b12x_toolchain.runtime.parallel.group import bind_group
 from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.strict_json import load_document
 
@@ -38,13 +37,17 @@ MANIFEST_LIMIT = 16 << 20
 @dataclass
 class PassInfo:
     name: str
-    program: torch.export.ExportedProgram
+    graph: PassGraph  # checked at load; deserialised when `program` is first read
     inputs: list[BufferSpec]  # cache, staging and row inputs carry their info (kind...)
     outputs: list[BufferSpec]
     rows_buckets: list[int]
     width: int
     advances: str | None = None  # the input whose counts move the committed length; None: staging only
     reads_staging_of: str | None = None  # the pass whose staging this one makes persistent
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        return self.graph.program
 
     @functools.cached_property
     def _row_inputs(self) -> dict[str, list[str]]:
@@ -115,12 +118,14 @@ class Package:
 
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                compile=False, compile_cache=None):
+                compile=False, compile_cache=None, passes=None, capture=None):
         """A session of `slots` request slots; `pages` (per pool, or one count for every pool)
         or `cache_bytes` bound the paged caches (default: every slot can reach max_seq_len);
         `contiguous` keeps each slot's pages in one run (Session); `compile` (True, or pass
         names) replays those passes through Inductor, compiled on this machine on first use
-        and cached under `compile_cache` (session/compiled.py)."""
+        and cached under `compile_cache` (session/compiled.py). `passes` (names) prepares only
+        those, and deserialises only their graphs (default: every pass); `capture` is how each
+        bucket's step is captured (graph_runner.py: CUDA graphs on a CUDA device by default)."""
         from b12x_toolchain.runtime.session.session import Session
 
         if not self.joined:
@@ -130,7 +135,8 @@ class Package:
             raise PackageError(f"{self.path.name}: weights are external and not bound; "
                                "load it with load(path, weights=CHECKPOINT_DIR)")
         return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers, pages=pages,
-                       cache_bytes=cache_bytes, contiguous=contiguous, compile=compile, compile_cache=compile_cache)
+                       cache_bytes=cache_bytes, contiguous=contiguous, compile=compile, compile_cache=compile_cache,
+                       passes=passes, capture=capture)
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
@@ -233,32 +239,19 @@ def _check_files(root: Path, manifest: Manifest) -> dict[str, bytes]:
     return contents
 
 
-def load_graph(file: str, data: bytes) -> torch.export.ExportedProgram:
-    """One graph archive: its entries and JSON checked first, then deserialised, then its ops
-    checked again on the loaded graph. Any refusal is a PackageError naming `file`."""
-    check_archive(file, data)
-    try:
-        program = torch.export.load(io.BytesIO(data))
-    except Exception as exc:  # the checks above passed it, torch's deserialiser did not: still bad input
-        raise PackageError(f"{file}: torch.export could not load it ({type(exc).__name__}: {str(exc)[:300]})") from None
-    check_graph_ops(file, program.graph)  # the second line: the loaded graph's targets
-    return program
-
-
 def _check_graph_file(convention: PassEntry, contents: dict[str, bytes]) -> None:
     if convention.graph not in contents:
         raise PackageError(f"manifest.json: passes.{convention.name}.graph {convention.graph!r} is not a listed file")
 
 
-def _pass_info(convention: PassEntry, contents: dict[str, bytes]) -> PassInfo:
-    program = load_graph(convention.graph, contents[convention.graph])
+def _pass_info(convention: PassEntry, graph: PassGraph) -> PassInfo:
     c = convention
-    return PassInfo(c.name, program, list(c.inputs), list(c.outputs), list(c.rows_buckets), c.width, c.advances,
+    return PassInfo(c.name, graph, list(c.inputs), list(c.outputs), list(c.rows_buckets), c.width, c.advances,
                     c.reads_staging_of)
 
 
 def load(path, weights=None, rank: int | None = None, peer_timeout: float | None = None,
-         join_group: bool = True) -> Package:
+         join_group: bool = True, graph_loader: str = MEMOISED) -> Package:
     """Load and check a package; `weights` is a checkpoint directory to bind the weights from.
 
     A structural package (external weights) loaded without `weights` can be inspected but
@@ -267,6 +260,8 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
     torch.distributed group has the package's world size (runtime/parallel/group.py);
     `peer_timeout` (seconds) also waits for every peer to answer. `join_group=False` checks
     all the rest and loads the rank's graphs for inspection only: its sessions are refused.
+    Every graph archive is checked here; a pass's graph is deserialised when first used
+    (pass_graph.py), by `graph_loader` (pass_graph.LOADERS; the default is graph_loader.py).
     """
     given = Path(path)
     if not given.is_dir():
@@ -280,12 +275,13 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
         _check_graph_file(convention, contents)
     # Weights first: a bad checkpoint or weights file is refused before any graph is deserialised.
     bound = bind_weights(manifest, contents, conventions, weights, mapping, rank)
-    passes = {name: _pass_info(convention, contents) for name, convention in conventions.items()}
-    programs = {name: info.program for name, info in passes.items()}
+    graphs = {name: PassGraph(c.graph, contents[c.graph], graph_loader) for name, c in conventions.items()}
+    passes = {name: _pass_info(convention, graphs[name]) for name, convention in conventions.items()}
     if mapping is None:
-        refuse_collectives(programs)
+        refuse_collectives(graphs)
     elif join_group:  # before any replay: the group, its size, this rank, and (if asked) the peers
-        bind_group(programs, rank, mapping.world_size, mapping.describe(), peer_timeout)
+        bind_group({name: g.program for name, g in graphs.items()}, rank, mapping.world_size, mapping.describe(),
+                   peer_timeout)
     package = Package(given, manifest, passes, bound)
     package.mapping, package.rank, package.joined = mapping, rank, mapping is None or join_group
     return package

@@ -38,6 +38,15 @@ from b12x_toolchain.runtime.serving.drafts import confident_drafts, confident_le
 DECODE_PASSES = ("draft", "verify", "commit")
 
 
+def passes_used(package_passes, speculative: bool = True, drafter=None) -> tuple[str, ...]:
+    """The passes an engine replays: prefill, then decode for plain decoding where the package
+    has it, else verify and commit, with draft when speculating without a drafter of its own.
+    A session of just these deserialises no other graph."""
+    if not speculative and "decode" in package_passes:
+        return "prefill", "decode"
+    return ("prefill", "verify", "commit") + (("draft",) if speculative and drafter is None else ())
+
+
 class Engine:
     def __init__(self, session, *, speculative: bool = True, temperature: float = 0.0, seed: int = 0,
                  drafter=None, slots: Iterable[int] | None = None, prefix_cache=None):
@@ -64,8 +73,12 @@ class Engine:
         self.verify_width = package.passes["verify"].width
         self.draft_width = package.passes["draft"].width
         self.chunk = package.passes["prefill"].width
+        used = passes_used(session.buckets, speculative, drafter)
+        missing = [p for p in used if p not in session.buckets]
+        if missing:
+            raise ValueError(f"the session has no {', '.join(missing)} pass; this engine replays {', '.join(used)}")
         # A group must fit one bucket of every pass it replays.
-        self.decode_rows = min(max(session.buckets[p]) for p in DECODE_PASSES)
+        self.decode_rows = min((max(session.buckets[p]) for p in DECODE_PASSES if p in used), default=None)
         self.prefill_rows = max(session.buckets["prefill"])
         # Without speculation, one token per row per step: through the decode pass where the
         # package has one (nothing but that token's rows), else verify + commit of one row.

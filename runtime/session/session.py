@@ -57,10 +57,11 @@ class Bucket:
 class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                  pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                 compile=False, compile_cache=None, capture=None):
+                 compile=False, compile_cache=None, capture=None, passes=None):
         """capture: how each bucket's step is captured (graph_runner.py): by default CUDA
         graphs on a CUDA device and none elsewhere; capture.RecordingCapture() runs the
-        capture path off the GPU."""
+        capture path off the GPU. passes: the pass names to prepare (default: all); only
+        their graphs are deserialised (package/pass_graph.py)."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self.package, self.device = package, torch.device(device)
@@ -83,7 +84,17 @@ class Session:
         self.graphs = GraphRunner(self.device, (self.caches, self.staging), capture)
         self.compiled_passes = self._compiled_passes(compile)
         self.compile_cache = cache_dir(package, self.device, compile_cache) if self.compiled_passes else None
-        self.buckets = {name: self._prepare(info) for name, info in package.passes.items()}
+        # Only the passes it replays: each is deserialised when first prepared (pass_graph.py).
+        self.buckets = {name: self._prepare(package.passes[name]) for name in self._replayed(passes)}
+
+    def _replayed(self, passes) -> tuple[str, ...]:
+        """The passes this session prepares: all (None) or those named, in the package's order."""
+        if passes is None:
+            return tuple(self.package.passes)
+        unknown = sorted(set(passes) - set(self.package.passes))
+        if unknown or not passes:
+            raise ValueError(f"passes={passes!r}: expected pass names among {sorted(self.package.passes)}")
+        return tuple(name for name in self.package.passes if name in passes)
 
     def _compiled_passes(self, compile) -> tuple[str, ...]:
         """The passes replayed through Inductor (compiled.py): none, all (True) or those named."""

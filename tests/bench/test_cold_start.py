@@ -1,0 +1,27 @@
+"""The cold_start benchmark's child process reports its phases, on either loading path.
+
+Never asserts a speed — a benchmark's numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from paths import ROOT  # noqa: E402
+
+if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
+    sys.path.append(str(ROOT))
+
+
+@pytest.mark.parametrize("path", ["old", "new"])
+def test_a_session_child_reports_every_phase(fused_path, path):
+    from benchmarks import cold_start
+    from benchmarks.registry import REGISTRY
+
+    assert REGISTRY["cold_start"] is cold_start.run
+    phases = cold_start._child("session", fused_path, path)
+    assert set(phases) == {"import", "load", "session", "first_token", "after_torch"}
+    assert all(value > 0 for value in phases.values())
+    assert phases["after_torch"] < phases["import"] + phases["load"] + phases["session"] + phases["first_token"]

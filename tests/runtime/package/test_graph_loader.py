@@ -1,0 +1,100 @@
+"""The memoised graph loader gives the graphs torch.export.load gives, and only the passes used
+are deserialised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from b12x_toolchain.exporter.cli.main import main
+from b12x_toolchain.exporter.compare.package_verify import verify_packages
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.package.pass_graph import TORCH, PassGraph
+from b12x_toolchain.runtime.serving.engine import Engine, passes_used
+from conftest import once_per_run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def dsv4_path(run_dir):
+    return once_per_run(run_dir, "dsv4-tiny", lambda out: export_package(load_recipe("dsv4-tiny"), out).path)
+
+
+def _value(val):
+    if isinstance(val, torch.Tensor):
+        return (type(val), tuple(map(str, val.shape)), tuple(map(str, val.stride())), val.dtype, val.device,
+                val.requires_grad)
+    if isinstance(val, (tuple, list)):
+        return tuple(_value(v) for v in val)
+    return str(val)
+
+
+def assert_same_program(ours: torch.export.ExportedProgram, theirs: torch.export.ExportedProgram, name: str):
+    """Node for node: names, targets, arguments, metadata keys and described values; and the
+    program around the graph (signature, calling spec, ranges, guards, generated code)."""
+    a, b = list(ours.graph.nodes), list(theirs.graph.nodes)
+    assert len(a) == len(b), name
+    for x, y in zip(a, b):
+        where = f"{name}: {x.name}"
+        assert (x.name, x.op, x.target, str(x.args), str(x.kwargs)) == (y.name, y.op, y.target, str(y.args),
+                                                                        str(y.kwargs)), where
+        assert set(x.meta) == set(y.meta), where
+        assert _value(x.meta.get("val")) == _value(y.meta.get("val")), where
+        assert {k: v for k, v in x.meta.items() if k != "val"} == {k: v for k, v in y.meta.items() if k != "val"}, where
+    assert ours.graph_module.code == theirs.graph_module.code, name
+    assert str(ours.graph_signature) == str(theirs.graph_signature), name
+    assert ours.call_spec == theirs.call_spec, name
+    assert str(ours.range_constraints) == str(theirs.range_constraints), name
+    assert ours._guards_code == theirs._guards_code, name
+    assert [type(v) for v in ours.verifiers] == [type(v) for v in theirs.verifiers], name
+
+
+@pytest.mark.parametrize("package", ["fused_path", "dsv4_path"])
+def test_same_graphs_and_bitwise_replays_as_torch_export_load(package, request):
+    path = request.getfixturevalue(package)
+    ours, theirs = load(path), load(path, graph_loader=TORCH)
+    for name in ours.passes:
+        assert_same_program(ours.passes[name].program, theirs.passes[name].program, name)
+    # Every pass and rows bucket on the same random inputs: outputs, staging and caches byte for byte.
+    checks = verify_packages(ours, theirs, seed=3)
+    assert {c.pass_name for c in checks} == set(ours.passes)
+    assert all(c.replays for c in checks)
+    assert [d for c in checks for d in c.differences] == []
+
+
+def _deserialised(package) -> set[str]:
+    return {name for name, info in package.passes.items() if info.graph.deserialised}
+
+
+def test_load_deserialises_nothing_and_a_session_only_its_passes(fused_path):
+    package = load(fused_path)
+    assert _deserialised(package) == set()
+    used = passes_used(package.passes, speculative=False, drafter=None)
+    assert used == ("prefill", "decode")
+    session = package.session(slots=1, passes=used)
+    assert set(session.buckets) == _deserialised(package) == {"prefill", "decode"}
+    engine = Engine(session, speculative=False)
+    engine.submit([[1, 2, 3, 4]])
+    engine.run()
+    assert engine.finished and engine.finished[0].tokens
+    drafter = lambda rows: []  # noqa: E731  (never called: nothing is submitted)
+    Engine(package.session(slots=1, passes=passes_used(package.passes, drafter=drafter)), drafter=drafter)
+    assert _deserialised(package) == {"prefill", "decode", "verify", "commit"}  # no draft pass
+    with pytest.raises(ValueError, match="no draft pass"):
+        Engine(session.package.session(slots=1, passes=("prefill", "verify", "commit")))
+    with pytest.raises(ValueError, match="expected pass names"):
+        package.session(passes=("prefill", "nonesuch"))
+
+
+def test_inspect_summary_deserialises_no_graph(fused_path, monkeypatch):
+    def refuse(self):
+        raise AssertionError(f"{self.file} was deserialised")
+
+    monkeypatch.setattr(PassGraph, "_deserialise", refuse)
+    result = CliRunner().invoke(main, ["inspect", str(fused_path)])
+    assert result.exit_code == 0, result.output
+    assert "abi" in result.output
