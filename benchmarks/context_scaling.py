@@ -141,8 +141,8 @@ class Prefilled:
     def _inputs(self, pass_name: str) -> dict[str, torch.Tensor]:
         width = self.package.passes[pass_name].width
         gen = torch.Generator().manual_seed(SEED + width)  # the same tokens for every package
-        return {"tokens": torch.randint(0, self.package.vocab_size, (1, width), dtype=torch.int32, generator=gen),
-                "row_ids": torch.tensor([0], dtype=torch.int32),
+        return {"token_ids": torch.randint(0, self.package.vocab_size, (1, width), dtype=torch.int32, generator=gen),
+                "slot_ids": torch.tensor([0], dtype=torch.int32),
                 "positions": torch.tensor([self.committed], dtype=torch.int32)}
 
     def replay(self, pass_name: str) -> dict[str, torch.Tensor]:

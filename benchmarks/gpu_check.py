@@ -321,12 +321,12 @@ def poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept
     unfused session must agree on byte for byte.
     """
     poison(session)
-    draft = session.replay("draft", tokens=draft_tokens, row_ids=slots, positions=positions)["logits"].clone()
+    draft = session.replay("draft", token_ids=draft_tokens, slot_ids=slots, positions=positions)["logits"].clone()
     staging = {k: session.staging[k].clone() for k in staging_of(session, "draft")}
     poison(session)
-    verify = session.replay("verify", tokens=verify_tokens, row_ids=slots, positions=positions)["logits"].clone()
+    verify = session.replay("verify", token_ids=verify_tokens, slot_ids=slots, positions=positions)["logits"].clone()
     staging.update({k: session.staging[k].clone() for k in staging_of(session, "verify")})
-    session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
+    session.replay("commit", slot_ids=slots, positions=positions, accepted_tokens=accept)
     return draft, verify, staging
 
 
@@ -383,7 +383,7 @@ def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
     tokens = torch.randint(0, cpu_pkg.vocab_size, (3, 8), generator=torch.Generator().manual_seed(5)).tolist()
     for session in (gpu_session, cpu):
         poison(session)
-        session.replay("verify", tokens=tokens, row_ids=slots, positions=positions)
+        session.replay("verify", token_ids=tokens, slot_ids=slots, positions=positions)
     same_history, appended, differing = True, 0, 0
     for name in staging_of(cpu, "verify", "window_staging"):
         staging = cpu.staging[name]
@@ -403,12 +403,12 @@ def allocation(session, device: str) -> None:
     tokens = {name: torch.randint(0, session.package.vocab_size, (3, w), generator=torch.Generator().manual_seed(9)).tolist()
               for name, w in (("verify", 8), ("draft", 7))}
     for name in tokens:
-        session.replay(name, tokens=tokens[name], row_ids=slots, positions=positions)
+        session.replay(name, token_ids=tokens[name], slot_ids=slots, positions=positions)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for i in range(REPLAYS):
         name = "verify" if i % 2 else "draft"
-        session.replay(name, tokens=tokens[name], row_ids=slots, positions=positions)
+        session.replay(name, token_ids=tokens[name], slot_ids=slots, positions=positions)
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
     record(f"allocation over {REPLAYS} replays", after == before, f"memory_allocated {before} -> {after} bytes")
@@ -480,7 +480,7 @@ def replay_rate(fused, unfused) -> None:
             positions = [fused.seq_lens[s] for s in slots]
             tokens = torch.randint(0, fused.package.vocab_size, (rows, width), generator=torch.Generator().manual_seed(1)).tolist()
             for session in (fused, unfused):  # fills the bucket's static inputs
-                session.replay(pass_name, tokens=tokens, row_ids=slots, positions=positions)
+                session.replay(pass_name, token_ids=tokens, slot_ids=slots, positions=positions)
             rates = {"fused": [], "unfused": []}
             for round_no in range(10):  # alternating order: drift lands on both sides
                 order = ("fused", "unfused") if round_no % 2 == 0 else ("unfused", "fused")

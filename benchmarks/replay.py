@@ -58,8 +58,8 @@ def replay_inputs(session, pass_name: str, rows: int) -> dict[str, torch.Tensor]
     width = session.package.passes[pass_name].width
     gen = torch.Generator().manual_seed(SEED + rows)  # same tokens for every session
     return {
-        "tokens": torch.randint(0, session.package.vocab_size, (rows, width), dtype=torch.int32, generator=gen),
-        "row_ids": torch.arange(rows, dtype=torch.int32),
+        "token_ids": torch.randint(0, session.package.vocab_size, (rows, width), dtype=torch.int32, generator=gen),
+        "slot_ids": torch.arange(rows, dtype=torch.int32),
         "positions": torch.tensor(session.seq_lens[:rows], dtype=torch.int32),
     }
 

@@ -27,6 +27,14 @@ def main(path: str) -> None:
         print(f"prompt of {len(prompt)} tokens -> {tokens}")
     print("stats:", {k: round(v, 3) if isinstance(v, float) else v for k, v in decoder.stats.as_dict().items()})
 
+    # Or drive a pass yourself. Inputs and outputs go by kind (runtime/package/kinds.py),
+    # not by the names the exporter gave them: prefill a prompt into slot 0 again.
+    session.reset_slot(0)
+    prompt, chunk = prompts[0], package.passes["prefill"].width
+    out = session.replay("prefill", token_ids=[prompt + [0] * (chunk - len(prompt))], slot_ids=[0], positions=[0],
+                         new_tokens=[len(prompt)])
+    print(f"first token after the prompt: {int(out['logits'][0, len(prompt) - 1].argmax())}")
+
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "out/dsv41-tiny.b12x")

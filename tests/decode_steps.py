@@ -28,8 +28,8 @@ def prefill(session, slot, tokens):
     rows = []
     for start in range(0, len(tokens), chunk):
         piece = tokens[start : start + chunk]
-        out = session.replay("prefill", tokens=[piece + [0] * (chunk - len(piece))], row_ids=[slot],
-                             positions=[start], lengths=[len(piece)])
+        out = session.replay("prefill", token_ids=[piece + [0] * (chunk - len(piece))], slot_ids=[slot],
+                             positions=[start], new_tokens=[len(piece)])
         rows.append(out["logits"][0, : len(piece)].clone())
     return torch.cat(rows)
 
@@ -48,12 +48,12 @@ def incremental(pkg, sequences, prompt_lengths):
     step = 0
     while max(lengths) + width <= min(len(s) for s in sequences):
         tokens = [seq[p : p + width] for seq, p in zip(sequences, lengths)]
-        out = session.replay("verify", tokens=tokens, row_ids=slots, positions=lengths)
+        out = session.replay("verify", token_ids=tokens, slot_ids=slots, positions=lengths)
         for slot, p in enumerate(lengths):
             for j in range(width):
                 got[slot].setdefault(p + j, out["logits"][slot, j].clone())
         accept = [COMMIT_WIDTHS[(step + slot) % len(COMMIT_WIDTHS)] for slot in slots]
-        session.replay("commit", row_ids=slots, positions=lengths, accept_len=accept)
+        session.replay("commit", slot_ids=slots, positions=lengths, accepted_tokens=accept)
         lengths = [p + a for p, a in zip(lengths, accept)]
         step += 1
     return [torch.stack([g[p] for p in sorted(g)]) for g in got]

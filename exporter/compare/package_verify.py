@@ -82,22 +82,23 @@ def compare(name: str, a: torch.Tensor, b: torch.Tensor, spec, tolerance: Tolera
 
 
 def random_inputs(session, pass_name: str, row_ids: list[int], gen: torch.Generator) -> dict:
+    """Replay values by input kind."""
     info = session.package.passes[pass_name]
     rows, out = len(row_ids), {}
     for spec in (s for s in info.inputs if s.role == "input"):
         kind = spec.info.kind
         if kind == "token_ids":
-            out[spec.name] = torch.randint(0, session.package.vocab_size, spec.resolve({"rows": rows}), generator=gen,
-                                           dtype=torch.int32)
+            out[kind] = torch.randint(0, session.package.vocab_size, spec.resolve({"rows": rows}), generator=gen,
+                                      dtype=torch.int32)
         elif kind == "slot_ids":
-            out[spec.name] = row_ids
+            out[kind] = row_ids
         elif kind == "positions":
-            out[spec.name] = [session.seq_lens[s] for s in row_ids]
+            out[kind] = [session.seq_lens[s] for s in row_ids]
         elif KINDS[kind].pool is not None:  # block tables: the session gives each row its pages
             continue
         elif KINDS[kind].count_min is not None:  # rows to make persistent: count_min..width
-            out[spec.name] = torch.randint(KINDS[kind].count_min, info.width + 1, (rows,), generator=gen,
-                                           dtype=torch.int32)
+            out[kind] = torch.randint(KINDS[kind].count_min, info.width + 1, (rows,), generator=gen,
+                                      dtype=torch.int32)
         else:
             raise VerifyError(f"pass {pass_name}: no way to make random values for input {spec.name} (kind {kind})")
     return out

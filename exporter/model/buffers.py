@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.parallel import rank_weight_specs as weight_shapes_dtypes
@@ -44,7 +45,7 @@ STAGING_KIND = {
 class Owned(NamedTuple):
     """One cache of a target layer: `rows` rows per slot of `dims` values in `fmt`."""
 
-    name: str  # without the "cache." prefix
+    name: str  # without the cache or staging prefix (buffer_names.local)
     kind: str
     rows: int
     fmt: str
@@ -62,18 +63,32 @@ def state_span(kind: str, ratio: int) -> int:
 
 def owned_caches(d: Dims, i: int) -> list[Owned]:
     ratio, kind = d.ratios[i], d.kind(i)
-    out = [Owned(f"layer{i}.window", "window_ring", d.history, d.window_format, d.head_dim, 1)]
+
+    def owned(cache_kind: str, *rows_format_dims_ratio) -> Owned:
+        return Owned(names.local(cache_kind, names.layer(i)), cache_kind, *rows_format_dims_ratio)
+
+    out = [owned("window_ring", d.history, d.window_format, d.head_dim, 1)]
     if d.role(i) != "full":
         return out
     entries = d.max_seq_len // ratio
-    out.append(Owned(f"layer{i}.compressed", "compressed_entries", entries, d.compressed_format, d.head_dim, ratio))
+    out.append(owned("compressed_entries", entries, d.compressed_format, d.head_dim, ratio))
     if kind != "direct":
         width = 4 * d.head_dim if kind == "csa" else 2 * d.head_dim  # [kv | gate], two series where CSA overlaps
-        out.append(Owned(f"layer{i}.state", "compressor_state", state_span(kind, ratio), STATE_FORMAT, width, 1))
+        out.append(owned("compressor_state", state_span(kind, ratio), STATE_FORMAT, width, 1))
     if kind == "csa" or not d.v4:
-        out.append(Owned(f"layer{i}.index", "index_keys", entries, d.index_format, d.index_head_dim, ratio))
+        out.append(owned("index_keys", entries, d.index_format, d.index_head_dim, ratio))
     if kind == "csa":
-        out.append(Owned(f"layer{i}.index_state", "index_compressor_state", state_span(kind, ratio), STATE_FORMAT,
+        out.append(owned("index_compressor_state", state_span(kind, ratio), STATE_FORMAT, 4 * d.index_head_dim, 1))
+    return out
+    entries = d.max_seq_len // ratio
+    out.append(Owned(names.local("compressed_entries", owner), "compressed_entries", entries, d.compressed_format, d.head_dim, ratio))
+    if kind != "direct":
+        width = 4 * d.head_dim if kind == "csa" else 2 * d.head_dim  # [kv | gate], two series where CSA overlaps
+        out.append(Owned(names.local("compressor_state", owner), "compressor_state", state_span(kind, ratio), STATE_FORMAT, width, 1))
+    if kind == "csa" or not d.v4:
+        out.append(Owned(names.local("index_keys", owner), "index_keys", entries, d.index_format, d.index_head_dim, ratio))
+    if kind == "csa":
+        out.append(Owned(names.local("index_compressor_state", owner), "index_compressor_state", state_span(kind, ratio), STATE_FORMAT,
                          4 * d.index_head_dim, 1))
     return out
 
@@ -103,7 +118,7 @@ def cache(name: str, kind: str, rows: int, fmt: str, dims: int, *, layer=None, s
 def block_tables(caches) -> list[BufferSpec]:
     """One block table per page pool the `caches` use: int32 [rows, pages_per_slot]."""
     widths = {s.info.page.pool: s.info.page.pages_per_slot for s in caches if isinstance(s.info.page, CachePages)}
-    return [row_input(block_table_kind(pool), block_table_kind(pool), width) for pool, width in sorted(widths.items())]
+    return [row_input(block_table_kind(pool), width) for pool, width in sorted(widths.items())]
 
 
 def staged_rows(name: str, kind: str, width: int, fmt: str, dims: int, *, layer=None, stage=None,
@@ -121,12 +136,12 @@ def window_staging(name: str, d: Dims, width: int, *, layer=None, stage=None) ->
     return BufferSpec(name, "staging", "uint8", tuple(shape), info)
 
 
-SEQ_LEN = BufferSpec("cache.seq_len", "cache", "int32", ("slots",), BufferInfo("seq_len"))
+SEQ_LEN = BufferSpec(names.SEQ_LEN, "cache", "int32", ("slots",), BufferInfo("seq_len"))
 
 
 def cache_specs(d: Dims, drafter) -> list[BufferSpec]:
-    specs = [paged_cache(d, f"cache.{c.name}", c, i) if KINDS[c.kind].pool is not None
-             else cache(f"cache.{c.name}", c.kind, c.rows, c.fmt, c.dims, layer=i, ratio=c.ratio)
+    specs = [paged_cache(d, names.cache(c.name), c, i) if KINDS[c.kind].pool is not None
+             else cache(names.cache(c.name), c.kind, c.rows, c.fmt, c.dims, layer=i, ratio=c.ratio)
              for i in range(d.layers) for c in owned_caches(d, i)]
     return specs + drafter.cache_specs() + [SEQ_LEN]
 
@@ -136,9 +151,9 @@ def verify_staging_specs(d: Dims, drafter) -> list[BufferSpec]:
     for i in range(d.layers):
         for c in owned_caches(d, i):
             if c.kind == "window_ring":
-                specs.append(window_staging(f"staging.verify.{c.name}", d, w, layer=i))
+                specs.append(window_staging(names.staging("verify", c.name), d, w, layer=i))
             else:
-                specs.append(staged_rows(f"staging.verify.{c.name}", STAGING_KIND[c.kind], w, c.fmt, c.dims,
+                specs.append(staged_rows(names.staging("verify", c.name), STAGING_KIND[c.kind], w, c.fmt, c.dims,
                                          layer=i, ratio=c.ratio))
     return specs + drafter.verify_staging_specs()
 
@@ -147,5 +162,5 @@ def weight_specs(d: Dims) -> list[BufferSpec]:
     return [BufferSpec(name, "weight", dtype, shape) for name, (shape, dtype) in weight_shapes_dtypes(d).items()]
 
 
-def row_input(name: str, kind: str, *shape) -> BufferSpec:
-    return BufferSpec(name, "input", "int32", ("rows", *shape), BufferInfo(kind))
+def row_input(kind: str, *shape) -> BufferSpec:
+    return BufferSpec(names.row_input(kind), "input", "int32", ("rows", *shape), BufferInfo(kind))

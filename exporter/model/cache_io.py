@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.opset import ops
@@ -32,8 +33,8 @@ class StagedIO:
     def window(self, owner: str, kv: torch.Tensor) -> torch.Tensor:
         """Keys [R, history + T, D]: the whole snapshot (commit copies from it), then kv."""
         d = self.d
-        stage = self.staging[f"staging.{self.pass_name}.{owner}.window"]
-        ops.window_snapshot(self.caches[f"cache.{owner}.window"], stage, self.row_ids, self.positions,
+        stage = self.staging[names.staging(self.pass_name, names.window(owner))]
+        ops.window_snapshot(self.caches[names.cache(names.window(owner))], stage, self.row_ids, self.positions,
                             d.history, d.layout, d.page_size)
         ops.cache_append(stage, kv, d.history, d.layout, d.page_size, d.window_format)
         return ops.window_read(stage, d.history + kv.shape[1], d.head_dim, d.window_format)
@@ -44,22 +45,22 @@ class StagedIO:
 
     def owned(self, name: str) -> list[torch.Tensor]:
         """The buffers behind cache `name`: the cache, then its staging."""
-        return [self.caches[f"cache.{name}"], self.staging[f"staging.{self.pass_name}.{name}"]]
+        return [self.caches[names.cache(name)], self.staging[names.staging(self.pass_name, name)]]
 
     def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
-        prev = ops.gather_rows(self.caches[f"cache.{name}"], self.row_ids, _before(self.positions, span - 1),
+        prev = ops.gather_rows(self.caches[names.cache(name)], self.row_ids, _before(self.positions, span - 1),
                                rows.shape[-1], STATE_FORMAT)
-        ops.stage_rows(self.staging[f"staging.{self.pass_name}.{name}"], rows, STATE_FORMAT)
+        ops.stage_rows(self.staging[names.staging(self.pass_name, name)], rows, STATE_FORMAT)
         return prev
 
     def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str, block_table) -> torch.Tensor:
-        stage = self.staging[f"staging.{self.pass_name}.{name}"]
+        stage = self.staging[names.staging(self.pass_name, name)]
         ops.stage_rows(stage, entries, fmt)
         return ops.read_rows(stage, entries.shape[-1], fmt)[:, : entries.shape[1]]
 
     def rows(self, stage: str, cache: str, rows: torch.Tensor, fmt: str, last_only: bool) -> None:
         """Per-position rows (MTP context, streams); commit picks what it keeps."""
-        ops.stage_rows(self.staging[f"staging.{self.pass_name}.{stage}"], rows, fmt)
+        ops.stage_rows(self.staging[names.staging(self.pass_name, stage)], rows, fmt)
 
 
 class DirectIO:
@@ -78,7 +79,7 @@ class DirectIO:
         """Keys: the ring rows the first query can still see (window - 1 of them, no more than
         the ring holds; older rows are outside every query's window), then kv."""
         d = self.d
-        ring = self.caches[f"cache.{owner}.window"]
+        ring = self.caches[names.cache(names.window(owner))]
         history = ops.gather_rows(ring, self.row_ids, _before(self.positions, self.seen), d.head_dim, d.window_format)
         new = ops.round_trip(kv, d.window_format)
         ops.write_rows(ring, kv, self.row_ids, self.pos % d.history, self.valid, d.window_format)
@@ -90,17 +91,17 @@ class DirectIO:
 
     def owned(self, name: str) -> list[torch.Tensor]:
         """The buffers behind cache `name`."""
-        return [self.caches[f"cache.{name}"]]
+        return [self.caches[names.cache(name)]]
 
     def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
-        cache = self.caches[f"cache.{name}"]
+        cache = self.caches[names.cache(name)]
         prev = ops.gather_rows(cache, self.row_ids, _before(self.positions, span - 1), rows.shape[-1], STATE_FORMAT)
         keep = self.valid & (self.pos > self.end[:, None] - span)
         ops.write_rows(cache, rows, self.row_ids, self.pos % span, keep, STATE_FORMAT)
         return prev
 
     def entries(self, name: str, entries: torch.Tensor, ratio: int, fmt: str, block_table) -> torch.Tensor:
-        cache = self.caches[f"cache.{name}"]
+        cache = self.caches[names.cache(name)]
         closes = ((self.pos + 1) % ratio == 0) & self.valid
         per_page = cache.shape[1] // get_format(fmt).row_bytes(entries.shape[-1])
         ops.write_slots(cache, entries, slot_mapping(block_table, self.pos // ratio, closes, per_page), fmt)
@@ -108,7 +109,7 @@ class DirectIO:
 
     def rows(self, stage: str, cache: str, rows: torch.Tensor, fmt: str, last_only: bool) -> None:
         """A ring row per position, or (last_only) one row per slot: the last position's."""
-        buffer = self.caches[f"cache.{cache}"]
+        buffer = self.caches[names.cache(cache)]
         if last_only:
             ops.write_rows(buffer, rows, self.row_ids, torch.zeros_like(self.pos),
                            self.valid & (self.pos == self.end[:, None] - 1), fmt)

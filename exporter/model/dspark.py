@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.model.cache_io import StagedIO
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
 from b12x_toolchain.exporter.model.blocks import rms_norm, rope
@@ -22,7 +23,7 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 
 class DSparkDrafter(DraftStages):
     def outputs(self):
-        return [BufferSpec("confidence", "output", "float32", ("rows", self.d.draft_width))]
+        return [BufferSpec(names.output("confidence"), "output", "float32", ("rows", self.d.draft_width))]
 
     def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
         d = self.d
@@ -34,11 +35,13 @@ class DSparkDrafter(DraftStages):
             x = rms_norm(main_x, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
             kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
-            io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
+            owner = names.stage(s)
+            io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format,
+                    last_only=False)
 
     def draft(self, w, caches, staging, inputs):
         d, c = self.d, self.c
-        row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
+        row_ids, positions, tokens = names.row_inputs(inputs, "slot_ids", "positions", "token_ids")
         io = StagedIO(d, caches, staging, row_ids, positions, "draft", {})
         pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
         main = c.angles(pos).with_views()
@@ -47,7 +50,7 @@ class DSparkDrafter(DraftStages):
         visible = c.visible(pos, io.key_positions(d.draft_width), block_from=d.history)
         for s in range(d.draft_stages):
             def attention(streams, s=s):
-                return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(f"draft{s}", kv), visible)
+                return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(names.stage(s), kv), visible)
             streams = c.ffn(w, f"mtp.{s}.", c.run_stage(s, w, io, streams, attention), tokens, d.draft_moe)
         logits, h = c.logits(w, "dspark.", streams)
         confidence = torch.sigmoid(F.linear(h, w["dspark.confidence.weight"], w["dspark.confidence.bias"]))[..., 0]
@@ -56,4 +59,4 @@ class DSparkDrafter(DraftStages):
             bias = F.linear(F.embedding(prev.long(), w["dspark.markov.embed"]), w["dspark.markov.out.weight"])
             rows.append(logits[:, j] + bias)
             prev = rows[-1].argmax(dim=-1)
-        return {"logits": torch.stack(rows, dim=1), "confidence": confidence}
+        return {names.output("logits"): torch.stack(rows, dim=1), names.output("confidence"): confidence}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model.blocks import (grouped_out, hc_head, hc_merge, hc_mix, inv_freq, moe, pool, rms_norm, rope,
                                                   rope_angles, unit_rms_norm)
+from b12x_toolchain.exporter.model import buffer_names
 from b12x_toolchain.exporter.model.buffers import owned_caches
 from b12x_toolchain.exporter.model.cache_io import _before
 from b12x_toolchain.exporter.model.parallel import Mesh
@@ -179,7 +180,7 @@ class DeepSeekCompute(torch.nn.Module):
         for the first stage only (the stages differ in weights and window ring alone)."""
         if self.copies is None:
             return body(streams)
-        names, own = self.own_buffers(w, io, f"mtp.{s}.", [f"draft{s}.window"], ffn=False)
+        names, own = self.own_buffers(w, io, f"mtp.{s}.", [buffer_names.window(buffer_names.stage(s))], ffn=False)
         outputs, _ = self.copies.run(("draft stage", tuple(names)), [streams, *own], lambda: ([body(streams)], None))
         return outputs[0]
 
@@ -230,7 +231,7 @@ class DeepSeekCompute(torch.nn.Module):
 
     def entries(self, io, caches, name, values, ratio, fmt, pool):
         """Write (prefill) or stage (verify) this pass's entries: (stored cache, this pass's as read back)."""
-        return caches[f"cache.{name}"], io.entries(name, values, ratio, fmt, io.block_tables[pool])
+        return caches[buffer_names.cache(name)], io.entries(name, values, ratio, fmt, io.block_tables[pool])
 
     def compressed_keys(self, w, i, io, caches, row_ids, pos, shared, compress):
         """attach(x, q_res) -> Entries layer i attends to, by kind and role."""
@@ -242,13 +243,16 @@ class DeepSeekCompute(torch.nn.Module):
             shared.starts[ratio] = rope_angles(pos - (ratio - 1), self.compress_freqs(pos.device))
         start = shared.starts[ratio]
 
+        def buffer(kind: str) -> str:
+            return buffer_names.local(kind, buffer_names.layer(i))
+
         def attach(x, q_res):
             if role == "full":
-                latent = self.pooled(w, c, f"layer{i}.state", ratio, d.head_dim, kind, x, pos, io)
-                shared.keys[i] = self.entries(io, caches, f"layer{i}.compressed", rope(latent, start), ratio,
+                latent = self.pooled(w, c, buffer("compressor_state"), ratio, d.head_dim, kind, x, pos, io)
+                shared.keys[i] = self.entries(io, caches, buffer("compressed_entries"), rope(latent, start), ratio,
                                               d.compressed_format, ENTRY_POOL)
                 if kind == "csa":  # V4: the indexer pools its own keys
-                    pooled = self.pooled(w, c + "indexer.", f"layer{i}.index_state", ratio, d.index_head_dim, kind, x,
+                    pooled = self.pooled(w, c + "indexer.", buffer("index_compressor_state"), ratio, d.index_head_dim, kind, x,
                                          pos, io)
                     index_keys = rope(pooled, start)
                 elif not d.v4:  # V4.1: index keys are a projection of the entry's latent
@@ -258,7 +262,7 @@ class DeepSeekCompute(torch.nn.Module):
                 else:
                     index_keys = None
                 if index_keys is not None:
-                    shared.index_keys[i] = self.entries(io, caches, f"layer{i}.index", index_keys, ratio, d.index_format,
+                    shared.index_keys[i] = self.entries(io, caches, buffer("index_keys"), index_keys, ratio, d.index_format,
                                                         INDEX_POOL)
             if (d.v4 and kind == "csa") or (not d.v4 and role in ("full", "reindex")):
                 shared.chosen[i] = self.indexer(w, c + "indexer.", i, source, x, q_res, pos, io.block_tables[INDEX_POOL],

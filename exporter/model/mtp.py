@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.model.blocks import hc_mix, rms_norm, rope
 from b12x_toolchain.exporter.model.buffers import cache, staged_rows
 from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
@@ -26,14 +27,16 @@ class MtpDrafter(DraftStages):
     """Adds per stage the streams of the slot's last committed position (one row per slot)."""
 
     def stage_cache_specs(self, stage):
-        return [cache(f"cache.draft{stage}.hidden", "draft_hidden", 1, STATE_FORMAT, hidden_width(self.d), stage=stage)]
+        return [cache(names.stage_cache("draft_hidden", stage), "draft_hidden", 1, STATE_FORMAT, hidden_width(self.d),
+                      stage=stage)]
 
     def stage_staging_specs(self, stage):
-        return [staged_rows(f"staging.verify.draft{stage}.hidden", "draft_hidden_staging", self.d.verify_width,
-                            STATE_FORMAT, hidden_width(self.d), stage=stage)]
+        return [staged_rows(names.stage_staging("verify", "draft_hidden_staging", stage), "draft_hidden_staging",
+                            self.d.verify_width, STATE_FORMAT, hidden_width(self.d), stage=stage)]
 
     def commit_stage(self, stage, caches, staging, row_ids, pos, accepted, end):
-        ops.write_rows(caches[f"cache.draft{stage}.hidden"], staging[f"staging.verify.draft{stage}.hidden"], row_ids,
+        ops.write_rows(caches[names.stage_cache("draft_hidden", stage)],
+                       staging[names.stage_staging("verify", "draft_hidden_staging", stage)], row_ids,
                        torch.zeros_like(pos), accepted & (pos == end - 1), "bytes")
 
     # -- target passes ---------------------------------------------------------------------
@@ -47,7 +50,8 @@ class MtpDrafter(DraftStages):
     def stored_streams(self, caches, row_ids, stage):
         d = self.d
         zero = torch.zeros(row_ids.shape[0], 1, dtype=torch.long, device=row_ids.device)
-        flat = ops.gather_rows(caches[f"cache.draft{stage}.hidden"], row_ids, zero, hidden_width(d), STATE_FORMAT)
+        flat = ops.gather_rows(caches[names.stage_cache("draft_hidden", stage)], row_ids, zero, hidden_width(d),
+                               STATE_FORMAT)
         return flat.view(-1, 1, d.hc_mult, d.hidden)
 
     def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
@@ -61,20 +65,24 @@ class MtpDrafter(DraftStages):
             x = rms_norm(collapsed, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
             kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
-            io.rows(f"draft{s}.context", f"draft{s}.window", kv, d.window_format, last_only=False)
-            io.rows(f"draft{s}.hidden", f"draft{s}.hidden", streams.flatten(-2), STATE_FORMAT, last_only=True)
+            owner = names.stage(s)
+            io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format,
+                    last_only=False)
+            io.rows(names.local("draft_hidden_staging", owner), names.local("draft_hidden", owner), streams.flatten(-2),
+                    STATE_FORMAT, last_only=True)
 
     # -- the draft pass -------------------------------------------------------------------------
 
     def draft(self, w, caches, staging, inputs):
         """`draft_width` single-token steps from the anchor, each feeding its argmax on."""
         d, c = self.d, self.c
-        row_ids, positions = inputs["row_ids"], inputs["positions"]
-        stage = staging["staging.draft.draft0.window"]
-        ops.window_snapshot(caches["cache.draft0.window"], stage, row_ids, positions, d.history, d.layout, d.page_size)
+        row_ids, positions, tokens = names.row_inputs(inputs, "slot_ids", "positions", "token_ids")
+        stage = staging[names.stage_staging("draft", "draft_window_staging", 0)]
+        ops.window_snapshot(caches[names.stage_cache("draft_window", 0)], stage, row_ids, positions, d.history, d.layout,
+                            d.page_size)
         keys = [ops.window_read(stage, d.history, d.head_dim, d.window_format)]
         key_pos = positions.long()[:, None] + torch.arange(-d.history, 0, device=positions.device)
-        token, prev, logits = inputs["tokens"][:, :1], self.stored_streams(caches, row_ids, 0), []
+        token, prev, logits = tokens[:, :1], self.stored_streams(caches, row_ids, 0), []
         for j in range(d.draft_width):
             pos = positions.long()[:, None] + j
 
@@ -89,4 +97,4 @@ class MtpDrafter(DraftStages):
             step, _ = c.logits(w, "mtp.0.", prev)
             logits.append(step)
             token = step.argmax(dim=-1)
-        return {"logits": torch.cat(logits, dim=1)}
+        return {names.output("logits"): torch.cat(logits, dim=1)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from b12x_toolchain.exporter.model import buffers
+from b12x_toolchain.exporter.model import buffer_names as names, buffers
 from b12x_toolchain.exporter.model.cache_io import DirectIO, StagedIO, slot_mapping
 from b12x_toolchain.exporter.model.dspark import DSparkDrafter
 from b12x_toolchain.exporter.model.layers import DeepSeekCompute, Shared
@@ -45,7 +45,7 @@ class DeepSeekPass(DeepSeekCompute):
 
             def attention(streams, i=i, ratio=ratio, compressed=compressed):
                 return self.attention(w, f"model.layers.{i}.", streams, pos, compress if ratio else main,
-                                      lambda kv: io.window(f"layer{i}", kv), visible, compressed)
+                                      lambda kv: io.window(names.layer(i), kv), visible, compressed)
             streams = self.run_layer(i, w, io, shared, streams, attention)
             streams = taps[i] = self.ffn(w, f"model.layers.{i}.", streams, tokens, d.moe)
         logits, _ = self.logits(w, "model.", streams)
@@ -53,7 +53,7 @@ class DeepSeekPass(DeepSeekCompute):
 
     def base_inputs(self, caches):
         """Slot ids, positions, and a block table per page pool of the paged caches the pass binds."""
-        return [buffers.row_input("row_ids", "slot_ids"), buffers.row_input("positions", "positions")] \
+        return [buffers.row_input("slot_ids"), buffers.row_input("positions")] \
             + buffers.block_tables(caches)
 
     def width(self) -> int:
@@ -70,24 +70,25 @@ class PrefillPass(DeepSeekPass):
     """A chunk of prompt tokens for each row: writes persistent caches directly."""
 
     name = "prefill"
-    advances = "lengths"
+    advances = names.row_input("new_tokens")
 
     def width(self) -> int:
         return self.d.prefill_chunk
 
     def convention(self):
         width = self.width()
-        inputs = (self.weights() + self.caches() + [buffers.row_input("tokens", "token_ids", width)]
-                  + self.base_inputs(self.caches()) + [buffers.row_input("lengths", "new_tokens")])
+        inputs = (self.weights() + self.caches() + [buffers.row_input("token_ids", width)]
+                  + self.base_inputs(self.caches()) + [buffers.row_input("new_tokens")])
         return inputs, [_logits(self.d, width)]
 
     def forward(self, weights, caches, staging, inputs):
-        row_ids, positions, lengths, tokens = inputs["row_ids"], inputs["positions"], inputs["lengths"], inputs["tokens"]
+        row_ids, positions, lengths, tokens = names.row_inputs(inputs, "slot_ids", "positions", "new_tokens",
+                                                               "token_ids")
         io = DirectIO(self.d, caches, row_ids, positions, lengths, _block_tables(inputs), self.width())
         logits, streams, taps = self.target(weights, io, caches, tokens, io.pos, row_ids)
         self.drafter.context(weights, io, caches, row_ids, tokens, io.pos, streams, taps)
-        ops.set_seq_len(caches["cache.seq_len"], row_ids, positions + lengths)
-        return {"logits": logits}
+        ops.set_seq_len(caches[names.SEQ_LEN], row_ids, positions + lengths)
+        return {names.output("logits"): logits}
 
 
 class DecodePass(PrefillPass):
@@ -108,16 +109,16 @@ class VerifyPass(DeepSeekPass):
     def convention(self):
         d = self.d
         inputs = (self.weights() + self.caches() + buffers.verify_staging_specs(d, self.drafter)
-                  + [buffers.row_input("tokens", "token_ids", d.verify_width)] + self.base_inputs(self.caches()))
+                  + [buffers.row_input("token_ids", d.verify_width)] + self.base_inputs(self.caches()))
         return inputs, [_logits(d, d.verify_width)]
 
     def forward(self, weights, caches, staging, inputs):
-        row_ids, positions, tokens = inputs["row_ids"], inputs["positions"], inputs["tokens"]
+        row_ids, positions, tokens = names.row_inputs(inputs, "slot_ids", "positions", "token_ids")
         io = StagedIO(self.d, caches, staging, row_ids, positions, "verify", _block_tables(inputs))
         pos = _positions(positions, self.d.verify_width)
         logits, streams, taps = self.target(weights, io, caches, tokens, pos, row_ids)
         self.drafter.context(weights, io, caches, row_ids, tokens, pos, streams, taps)
-        return {"logits": logits}
+        return {names.output("logits"): logits}
 
 
 class DraftPass(DeepSeekPass):
@@ -129,7 +130,7 @@ class DraftPass(DeepSeekPass):
     def convention(self):
         d = self.d
         inputs = (self.weights() + self.drafter.cache_specs() + self.drafter.draft_staging_specs()
-                  + [buffers.row_input("tokens", "token_ids", d.draft_width)] + self.base_inputs(self.drafter.cache_specs()))
+                  + [buffers.row_input("token_ids", d.draft_width)] + self.base_inputs(self.drafter.cache_specs()))
         return inputs, [_logits(d, d.draft_width)] + self.drafter.outputs()
 
     def forward(self, weights, caches, staging, inputs):
@@ -140,17 +141,17 @@ class CommitPass(DeepSeekPass):
     """Make the first accept_len verify rows of each row persistent, byte for byte."""
 
     name = "commit"
-    advances = "accept_len"
+    advances = names.row_input("accepted_tokens")
     reads_staging_of = "verify"
 
     def convention(self):
         inputs = (self.caches() + buffers.verify_staging_specs(self.d, self.drafter)
-                  + self.base_inputs(self.caches()) + [buffers.row_input("accept_len", "accepted_tokens")])
-        return inputs, [BufferSpec("next_positions", "output", "int32", ("rows",))]
+                  + self.base_inputs(self.caches()) + [buffers.row_input("accepted_tokens")])
+        return inputs, [BufferSpec(names.output("next_positions"), "output", "int32", ("rows",))]
 
     def forward(self, weights, caches, staging, inputs):
         d = self.d
-        row_ids, positions, accept_len = inputs["row_ids"], inputs["positions"], inputs["accept_len"]
+        row_ids, positions, accept_len = names.row_inputs(inputs, "slot_ids", "positions", "accepted_tokens")
         width = d.verify_width
         pos = _positions(positions, width)
         accepted = torch.arange(width, device=pos.device)[None, :] < accept_len.long()[:, None]
@@ -158,7 +159,7 @@ class CommitPass(DeepSeekPass):
         tables = _block_tables(inputs)
         for i, ratio in enumerate(d.ratios):
             for c in buffers.owned_caches(d, i):
-                cache, stage = caches[f"cache.{c.name}"], staging[f"staging.verify.{c.name}"]
+                cache, stage = caches[names.cache(c.name)], staging[names.staging(self.reads_staging_of, c.name)]
                 if c.kind == "window_ring":
                     ops.window_commit(cache, stage, row_ids, positions, accept_len, d.history, width)
                 elif c.kind in ("compressed_entries", "index_keys"):  # persistent once its group closes
@@ -169,13 +170,14 @@ class CommitPass(DeepSeekPass):
                     ops.write_rows(cache, stage, row_ids, pos % c.rows, accepted & (pos > end - c.rows), "bytes")
         self.drafter.commit(caches, staging, row_ids, pos, accepted, end)
         next_positions = (positions + accept_len).to(torch.int32)
-        ops.set_seq_len(caches["cache.seq_len"], row_ids, next_positions)
-        return {"next_positions": next_positions}
+        ops.set_seq_len(caches[names.SEQ_LEN], row_ids, next_positions)
+        return {names.output("next_positions"): next_positions}
 
 
 def _block_tables(inputs) -> dict:
     """The pass's block tables by page pool."""
-    return {KINDS[kind].pool: inputs[kind] for kind in kinds_for("input") if KINDS[kind].pool and kind in inputs}
+    return {KINDS[kind].pool: inputs[names.row_input(kind)] for kind in kinds_for("input")
+            if KINDS[kind].pool and names.row_input(kind) in inputs}
 
 
 def _positions(positions, width):
@@ -183,7 +185,7 @@ def _positions(positions, width):
 
 
 def _logits(d, width):
-    return BufferSpec("logits", "output", "float32", ("rows", width, d.vocab))
+    return BufferSpec(names.output("logits"), "output", "float32", ("rows", width, d.vocab))
 
 
 PASSES = {cls.name: cls for cls in (PrefillPass, DecodePass, VerifyPass, DraftPass, CommitPass)}

@@ -254,7 +254,7 @@ def pass_fields(name: str, entry, pass_names) -> PassFields:
 
 def check_row_inputs(name: str, fields: PassFields, inputs) -> None:
     """`inputs`: the pass's BufferSpecs (kinds attached). Every pass takes one slot_ids and one
-    positions input; `advances` names its one count input, or is null when it has none."""
+    positions input, and no kind twice; `advances` names its one count input, or is null."""
     where = f"manifest.json: passes.{name}"
     declared = [s.name for s in inputs if s.role == "input"]
     if sorted(declared) != sorted(fields.row_inputs):
@@ -263,6 +263,10 @@ def check_row_inputs(name: str, fields: PassFields, inputs) -> None:
     for required in ("slot_ids", "positions"):
         if kinds.count(required) != 1:
             raise PackageError(f"{where}.row_inputs: {kinds.count(required)} inputs of kind {required}; expected one")
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    if repeated:  # a replay takes its values by kind
+        raise PackageError(f"{where}.row_inputs: {kinds.count(repeated[0])} inputs of kind {repeated[0]}; "
+                           "expected one of each kind")
     tables = {KINDS[fields.row_inputs[n]].pool: n for n in declared if KINDS[fields.row_inputs[n]].pool}
     widths = {s.info.page.pool: s.info.page.pages_per_slot for s in inputs
               if s.role == "cache" and s.info is not None and isinstance(s.info.page, CachePages)}

@@ -58,6 +58,14 @@ KINDS: dict[str, Kind] = {
     "accepted_tokens": Kind("input", count_min=0),  # commit: how many staged rows become persistent
 }
 
+# What a pass output is. The manifest records no kind for outputs: an output's name is its
+# kind (the exporter names outputs from this table; PassInfo.output_kinds reads them back).
+OUTPUT_KINDS = {
+    "logits": "float32 [rows, width, vocab]: next-token scores at each position of a row",
+    "confidence": "float32 [rows, width]: the drafter's confidence in each drafted token",
+    "next_positions": "int32 [rows]: each row's committed length after the pass",
+}
+
 BUFFER_ROLES = ("cache", "staging")  # described in the manifest's top-level `buffers` table
 ENCODED_ROWS = ("ring", "append", "paged", "per_position")  # kinds whose rows are in a format
 

@@ -65,12 +65,26 @@ class PassInfo:
         return {KINDS[kind].pool: names[0] for kind, names in self._row_inputs.items() if KINDS[kind].pool}
 
     def input_of(self, kind: str) -> str | None:
-        """The name of this pass's row input of `kind` (the first, if several), or None."""
+        """The name of this pass's row input of `kind` (one at most: contract.py), or None."""
         names = self._row_inputs.get(kind)
         return names[0] if names else None
 
-    def inputs_of(self, kind: str) -> list[str]:
-        return list(self._row_inputs.get(kind, ()))
+    @functools.cached_property
+    def input_kinds(self) -> dict[str, str]:
+        """Row input name -> kind: what a replay takes its values by (kinds.py)."""
+        return {name: kind for kind, names in self._row_inputs.items() for name in names}
+
+    @property
+    def advances_kind(self) -> str | None:
+        """The kind of the `advances` input (new_tokens, accepted_tokens), or None."""
+        return self.input_kinds[self.advances] if self.advances is not None else None
+
+    @functools.cached_property
+    def output_kinds(self) -> dict[str, str]:
+        """Output name -> kind: what a replay returns its results by. The manifest records no
+        kind for outputs, so the exporter names each output by its kind (kinds.OUTPUT_KINDS);
+        this is the one place that relies on it, and the one to change when kinds are recorded."""
+        return {spec.name: spec.name for spec in self.outputs}
 
 
 class Package:

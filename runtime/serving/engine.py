@@ -240,7 +240,7 @@ class Engine:
     # -- passes -------------------------------------------------------------------------
 
     def _replay(self, pass_name: str, stats: StepStats, **values) -> dict:
-        rows = len(values["row_ids"])
+        rows = len(values["slot_ids"])
         stats.padding_rows += self.session.bucket_for(pass_name, rows).rows - rows
         return self.session.replay(pass_name, **values)
 
@@ -273,9 +273,9 @@ class Engine:
         batch = [r for r in batch if r not in deferred]
         while rows := [r for r in batch if r.length < len(r.prompt)]:
             pieces = [r.prompt[r.length : r.length + self.chunk] for r in rows]
-            out = self._replay("prefill", stats, tokens=[p + [0] * (self.chunk - len(p)) for p in pieces],
-                               row_ids=[r.slot for r in rows], positions=[r.length for r in rows],
-                               lengths=[len(p) for p in pieces])
+            out = self._replay("prefill", stats, token_ids=[p + [0] * (self.chunk - len(p)) for p in pieces],
+                               slot_ids=[r.slot for r in rows], positions=[r.length for r in rows],
+                               new_tokens=[len(p) for p in pieces])
             for i, (request, piece) in enumerate(zip(rows, pieces)):
                 request.length += len(piece)
                 logits = out["logits"][i, len(piece) - 1].clone()  # the next replay reuses out
@@ -299,7 +299,7 @@ class Engine:
         if self.drafter is not None:
             return self._external_drafts(rows), None
         block = [[r.pending] + [self.noise] * (self.draft_width - 1) for r in rows]
-        out = self._replay("draft", stats, tokens=block, row_ids=[r.slot for r in rows],
+        out = self._replay("draft", stats, token_ids=block, slot_ids=[r.slot for r in rows],
                            positions=[r.length for r in rows])
         if self.temperature == 0:
             return confident_drafts(out, self.session.package.manifest), None
@@ -327,7 +327,7 @@ class Engine:
         drafts, q = self._drafts(rows, stats)
         # A block ended early (low draft confidence) is padded; acceptance stops at its end.
         tokens = [([r.pending] + d + [self.noise] * self.draft_width)[: self.draft_width + 1] for r, d in zip(rows, drafts)]
-        logits = self._replay("verify", stats, tokens=tokens, row_ids=slots, positions=positions)["logits"]
+        logits = self._replay("verify", stats, token_ids=tokens, slot_ids=slots, positions=positions)["logits"]
         results = []
         for i, (request, draft) in enumerate(zip(rows, drafts)):
             if not self.speculative:
@@ -343,8 +343,8 @@ class Engine:
             request.accepted += accepted
             results.append((emitted, [margin(logits[i, j]) for j in range(len(emitted))]))
         # Commit pending plus the accepted drafts; the last emitted token becomes pending.
-        self._replay("commit", stats, row_ids=slots, positions=positions,
-                     accept_len=[len(emitted) for emitted, _ in results])
+        self._replay("commit", stats, slot_ids=slots, positions=positions,
+                     accepted_tokens=[len(emitted) for emitted, _ in results])
         for request, (emitted, margins) in zip(rows, results):
             request.length += len(emitted)
             self._finish_step(request, emitted, margins, stats)
@@ -355,8 +355,8 @@ class Engine:
         check_rows(slots, self.slots)
         name = self.decode_pass or "prefill"
         width = self.session.package.passes[name].width
-        out = self._replay(name, stats, tokens=[[r.pending] + [0] * (width - 1) for r in rows],
-                           row_ids=slots, positions=[r.length for r in rows], lengths=[1] * len(rows))
+        out = self._replay(name, stats, token_ids=[[r.pending] + [0] * (width - 1) for r in rows],
+                           slot_ids=slots, positions=[r.length for r in rows], new_tokens=[1] * len(rows))
         for i, request in enumerate(rows):
             token = pick(out["logits"][i, 0], self.temperature, request.generator)
             request.length += 1

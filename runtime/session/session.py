@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import CachePages
+from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.session.page_tables import PageTables
 from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
@@ -199,35 +200,39 @@ class Session:
         return self.graphs.bucket_for(pass_name, rows)
 
     def replay(self, pass_name: str, **values) -> dict[str, torch.Tensor]:
-        """Run one pass for len(row_ids) rows; returns views of the static outputs."""
+        """Run one pass for len(slot_ids) rows; returns views of the static outputs by kind.
+
+        Values are given by input kind (kinds.py) — token_ids, slot_ids, positions, the
+        pass's count (new_tokens or accepted_tokens) and, for caller-owned pages, a block
+        table per pool (entry_block_table, index_key_block_table) — never by the names the
+        exporter gave the inputs. Outputs are keyed by kind too (logits, ...)."""
         if pass_name not in self.buckets:
             raise ValueError(f"unknown pass {pass_name!r}; this package has {sorted(self.buckets)}")
         info = self.package.passes[pass_name]
         tensors = validate_inputs(self, info, values)
-        n = tensors[info.input_of("slot_ids")].shape[0]
-        if info.block_tables and not any(name in values for name in info.block_tables.values()):
+        n = tensors["slot_ids"].shape[0]
+        if info.block_tables and not any(KINDS[kind].pool for kind in values):
             self._give_pages(info, tensors)
         bucket = self.bucket_for(pass_name, n)
         for name, static in bucket.inputs.items():
-            static[:n].copy_(tensors[name])
+            static[:n].copy_(tensors[info.input_kinds[name]])
             static[n:] = bucket.padding[name]
         self.graphs.replay(pass_name, bucket)  # CUDA: one graph replay; CPU: the graph, run directly
         self._advance(info, tensors)
-        return {name: out[:n] for name, out in bucket.outputs.items()}
+        return {info.output_kinds[name]: out[:n] for name, out in bucket.outputs.items()}
 
     def _give_pages(self, info, tensors: dict) -> None:
         """Session-owned pages: grow each row's pages to what the pass reads and writes, then
         take its block tables from the session's. Nothing is written unless every row fits."""
-        slots = tensors[info.input_of("slot_ids")].tolist()
-        starts = tensors[info.input_of("positions")].tolist()
-        counts = tensors[info.advances].tolist() if info.advances else [0] * len(slots)
+        slots, starts = tensors["slot_ids"].tolist(), tensors["positions"].tolist()
+        counts = tensors[info.advances_kind].tolist() if info.advances else [0] * len(slots)
         try:
             self.pages.grow([(slot, start, start + count) for slot, start, count in zip(slots, starts, counts)])
         except PagesExhausted as exc:
             raise PagesExhausted(f"pass {info.name}: {exc}") from None
-        index = tensors[info.input_of("slot_ids")].long()
+        index = tensors["slot_ids"].long()
         for pool, name in info.block_tables.items():
-            tensors[name] = self.pages.tables[pool][index]
+            tensors[info.input_kinds[name]] = self.pages.tables[pool][index]
 
     def weights_for(self, info) -> dict:
         return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}
@@ -237,8 +242,8 @@ class Session:
         how many rows became persistent (the manifest records it; no pass name decides it)."""
         if info.advances is None:
             return
-        slots, positions = tensors[info.input_of("slot_ids")], tensors[info.input_of("positions")]
-        for slot, pos, count in zip(slots.tolist(), positions.tolist(), tensors[info.advances].tolist()):
+        slots, positions, counts = tensors["slot_ids"], tensors["positions"], tensors[info.advances_kind]
+        for slot, pos, count in zip(slots.tolist(), positions.tolist(), counts.tolist()):
             self.seq_lens[slot] = pos + count
 
     def reset_slot(self, slot: int) -> None:

@@ -49,53 +49,59 @@ def _in_range(name: str, values: torch.Tensor, low: int, high: int, what: str) -
 
 
 def validate_inputs(session, info, values: dict) -> dict[str, torch.Tensor]:
-    """Check a replay's values against the pass; inputs are found by their recorded kind
-    (slot ids, positions, token ids, the count that `advances` names), not by name."""
-    specs = {s.name: s for s in info.inputs if s.role == "input"}
-    tables = set(info.block_tables.values())
+    """Check a replay's values, given by input kind (kinds.py), against the pass; returns
+    them as tensors by kind. Errors name the kind the caller gave, never an input's name."""
+    specs = {s.info.kind: s for s in info.inputs if s.role == "input"}  # one per kind (contract.py)
+    unknown = [kind for kind in values if kind not in specs]
+    if unknown:
+        raise InputError(f"pass {info.name}: no input of kind {unknown[0]!r}{_named(info, unknown[0])}; "
+                         f"it takes kinds {list(specs)}")
+    tables = {kind for kind in specs if KINDS[kind].pool is not None}
     given_tables = tables & set(values)
     if given_tables and given_tables != tables:
         raise InputError(f"pass {info.name}: block tables {sorted(given_tables)} given without {sorted(tables - given_tables)}; "
                          "give every block table (caller-owned pages) or none (the session's pages)")
     if not given_tables:  # the session fills them from its own pages
-        specs = {n: s for n, s in specs.items() if n not in tables}
-    unknown, missing = set(values) - set(specs), set(specs) - set(values)
-    if unknown or missing:
-        raise InputError(f"pass {info.name}: inputs {sorted(specs)} expected; "
-                         f"missing {sorted(missing)}, unknown {sorted(unknown)}")
-    tensors = {name: _as_tensor(name, values[name], specs[name], session.device) for name in specs}
-    slots, positions = info.input_of("slot_ids"), info.input_of("positions")
-    n = tensors[slots].shape[0] if tensors[slots].dim() == 1 else -1
+        specs = {k: s for k, s in specs.items() if k not in tables}
+    missing = [kind for kind in specs if kind not in values]
+    if missing:
+        raise InputError(f"pass {info.name}: inputs of kinds {list(specs)} expected; missing {missing}")
+    tensors = {kind: _as_tensor(kind, values[kind], specs[kind], session.device) for kind in specs}
+    n = tensors["slot_ids"].shape[0] if tensors["slot_ids"].dim() == 1 else -1
     largest = max(session.buckets[info.name])
     if not 1 <= n <= largest:
-        raise InputError(f"{slots}: {n} rows given; expected a 1-D list of 1 to {largest} rows")
-    for name, tensor in tensors.items():
-        expected = specs[name].resolve({"rows": n})
+        raise InputError(f"slot_ids: {n} rows given; expected a 1-D list of 1 to {largest} rows")
+    for kind, tensor in tensors.items():
+        expected = specs[kind].resolve({"rows": n})
         if tuple(tensor.shape) != expected:
-            raise InputError(f"{name}: shape {tuple(tensor.shape)} does not match the expected {expected}")
-    row_ids = tensors[slots]
-    _in_range(slots, row_ids, 0, session.slots, "a slot")
-    if row_ids.unique().numel() != n:
-        raise InputError(f"{slots}: {row_ids.tolist()} repeats a slot; each row needs its own slot")
-    expected_pos = torch.tensor([session.seq_lens[s] for s in row_ids.tolist()], dtype=torch.int32)
-    if not torch.equal(tensors[positions].cpu(), expected_pos):
-        raise InputError(f"{positions}: {tensors[positions].tolist()} do not continue the slots' committed "
+            raise InputError(f"{kind}: shape {tuple(tensor.shape)} does not match the expected {expected}")
+    slots, positions = tensors["slot_ids"], tensors["positions"]
+    _in_range("slot_ids", slots, 0, session.slots, "a slot")
+    if slots.unique().numel() != n:
+        raise InputError(f"slot_ids: {slots.tolist()} repeats a slot; each row needs its own slot")
+    expected_pos = torch.tensor([session.seq_lens[s] for s in slots.tolist()], dtype=torch.int32)
+    if not torch.equal(positions.cpu(), expected_pos):
+        raise InputError(f"positions: {positions.tolist()} do not continue the slots' committed "
                          f"lengths {expected_pos.tolist()}")
     model = session.package.manifest.model
-    for name in info.inputs_of("token_ids"):
-        _in_range(name, tensors[name], 0, model.vocab_size, "a token id")
-    step = info.advances
+    if "token_ids" in tensors:
+        _in_range("token_ids", tensors["token_ids"], 0, model.vocab_size, "a token id")
+    step = info.advances_kind
     if step is not None:
-        low = KINDS[specs[step].info.kind].count_min
-        _in_range(step, tensors[step], low, info.width + 1, f"a row count of the {info.width}-wide pass")
-    reach = tensors[positions].long() + (tensors[step].long() if step else info.width)
-    _in_range(positions, reach, 0, model.max_seq_len + 1,
-              f"{positions} + {step or 'width'} within max_seq_len")
-    for pool, name in info.block_tables.items():
-        if name in tensors:
-            _check_block_table(name, tensors[name], session.pools[pool], tensors[positions].long(),
-                               tensors[step].long() if step else torch.zeros_like(reach))
+        _in_range(step, tensors[step], KINDS[step].count_min, info.width + 1,
+                  f"a row count of the {info.width}-wide pass")
+    reach = positions.long() + (tensors[step].long() if step else info.width)
+    _in_range("positions", reach, 0, model.max_seq_len + 1, f"positions + {step or 'width'} within max_seq_len")
+    for kind in sorted(tables & set(tensors)):
+        _check_block_table(kind, tensors[kind], session.pools[KINDS[kind].pool], positions.long(),
+                           tensors[step].long() if step else torch.zeros_like(reach))
     return tensors
+
+
+def _named(info, given: str) -> str:
+    """A hint for a caller who gave an input's name where its kind belongs."""
+    kind = info.input_kinds.get(given)
+    return f" ({given!r} is the name of its {kind} input; a replay takes inputs by kind)" if kind else ""
 
 
 def _check_block_table(name: str, table: torch.Tensor, pool, positions, counts) -> None:

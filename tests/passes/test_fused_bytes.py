@@ -66,7 +66,7 @@ def test_window_staging_holds_snapshot_then_appended_rows(fused_pkg):
     session = _open(fused_pkg, 3)
     slot, pos = 0, session.seq_lens[0]
     tokens = [random_tokens(torch.Generator().manual_seed(5), 8)]
-    session.replay("verify", tokens=tokens, row_ids=[slot], positions=[pos])
+    session.replay("verify", token_ids=tokens, slot_ids=[slot], positions=[pos])
     view = token_view(session.staging["staging.verify.layer0.window"])[0]
     ring = session.caches["cache.layer0.window"][slot]
     expected_history = ring[torch.remainder(torch.arange(pos - 128, pos), 128)]

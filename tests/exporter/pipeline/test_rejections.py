@@ -107,13 +107,13 @@ def _caches(session):
 
 
 @pytest.mark.parametrize("values, message", [
-    (dict(row_ids=[5], positions=[0], accept_len=[1]), r"row_ids: value 5 is out of range; expected a slot in \[0, 2\)"),
-    (dict(row_ids=[-1], positions=[0], accept_len=[1]), r"row_ids: value -1 is out of range"),
-    (dict(row_ids=[0, 0], positions=[3, 3], accept_len=[1, 1]), r"row_ids: \[0, 0\] repeats a slot"),
-    (dict(row_ids=[0], positions=[7], accept_len=[1]), r"positions: \[7\] do not continue the slots' committed lengths \[3\]"),
-    (dict(row_ids=[0], positions=[3], accept_len=[9]), r"accept_len: value 9 is out of range"),
-    (dict(row_ids=[0], positions=[3]), r"missing \['accept_len'\]"),
-    (dict(row_ids=torch.tensor([0], dtype=torch.int64), positions=[3], accept_len=[1]), r"row_ids: dtype torch.int64"),
+    (dict(slot_ids=[5], positions=[0], accepted_tokens=[1]), r"slot_ids: value 5 is out of range; expected a slot in \[0, 2\)"),
+    (dict(slot_ids=[-1], positions=[0], accepted_tokens=[1]), r"slot_ids: value -1 is out of range"),
+    (dict(slot_ids=[0, 0], positions=[3, 3], accepted_tokens=[1, 1]), r"slot_ids: \[0, 0\] repeats a slot"),
+    (dict(slot_ids=[0], positions=[7], accepted_tokens=[1]), r"positions: \[7\] do not continue the slots' committed lengths \[3\]"),
+    (dict(slot_ids=[0], positions=[3], accepted_tokens=[9]), r"accepted_tokens: value 9 is out of range"),
+    (dict(slot_ids=[0], positions=[3]), r"missing \['accepted_tokens'\]"),
+    (dict(slot_ids=torch.tensor([0], dtype=torch.int64), positions=[3], accepted_tokens=[1]), r"slot_ids: dtype torch.int64"),
 ])
 def test_bad_commit_inputs_are_refused_before_any_write(small_pkg, values, message):
     session = small_pkg.session(slots=2)
@@ -128,7 +128,7 @@ def test_bad_commit_inputs_are_refused_before_any_write(small_pkg, values, messa
 
 def test_bad_tokens_are_refused(small_pkg):
     session = small_pkg.session(slots=1)
-    with pytest.raises(ValueError, match=r"tokens: value 512 is out of range; expected a token id in \[0, 512\)"):
-        session.replay("prefill", tokens=[[512] + [0] * 63], row_ids=[0], positions=[0], lengths=[1])
-    with pytest.raises(ValueError, match=r"tokens: shape \(1, 5\) does not match the expected \(1, 8\)"):
-        session.replay("verify", tokens=[[1] * 5], row_ids=[0], positions=[0])
+    with pytest.raises(ValueError, match=r"token_ids: value 512 is out of range; expected a token id in \[0, 512\)"):
+        session.replay("prefill", token_ids=[[512] + [0] * 63], slot_ids=[0], positions=[0], new_tokens=[1])
+    with pytest.raises(ValueError, match=r"token_ids: shape \(1, 5\) does not match the expected \(1, 8\)"):
+        session.replay("verify", token_ids=[[1] * 5], slot_ids=[0], positions=[0])

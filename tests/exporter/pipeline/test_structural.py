@@ -56,8 +56,8 @@ def test_bound_checkpoint_replays_like_the_package_with_weights(structural_path,
     outputs = []
     for pkg in (package, fused_pkg):
         session = pkg.session(slots=2, max_rows=2)
-        session.replay("prefill", tokens=[list(range(1, 65))], row_ids=[1], positions=[0], lengths=[40])
-        logits = session.replay("verify", tokens=[[5] * 8], row_ids=[1], positions=[40])["logits"].clone()
+        session.replay("prefill", token_ids=[list(range(1, 65))], slot_ids=[1], positions=[0], new_tokens=[40])
+        logits = session.replay("verify", token_ids=[[5] * 8], slot_ids=[1], positions=[40])["logits"].clone()
         outputs.append((logits, {n: c.clone() for n, c in session.caches.items()}))
     assert torch.equal(outputs[0][0], outputs[1][0])
     assert all(torch.equal(outputs[0][1][n], outputs[1][1][n]) for n in outputs[0][1])

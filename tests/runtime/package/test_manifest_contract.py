@@ -188,6 +188,8 @@ MALFORMED = {
                                r"passes\.verify\.row_inputs: input tokens has no kind"),
     "two slot inputs": (lambda m: m["passes"]["verify"]["row_inputs"].update(positions="slot_ids"),
                         r"passes\.verify\.row_inputs: 2 inputs of kind slot_ids"),
+    "two token inputs": (lambda m: m["passes"]["verify"]["row_inputs"].update(entry_block_table="token_ids"),
+                         r"passes\.verify\.row_inputs: 2 inputs of kind token_ids; expected one of each kind"),
 }
 
 

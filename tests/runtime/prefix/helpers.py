@@ -60,14 +60,14 @@ def same(a: Snapshot, b: Snapshot) -> bool:
 def continue_slot(session, slot: int, more: list[int]) -> list[torch.Tensor]:
     """A prefill chunk, then draft, verify, commit 5, draft, verify: every cache of the slot is read."""
     outs, length = [], session.seq_lens[slot]
-    out = session.replay("prefill", tokens=[more[:64]], row_ids=[slot], positions=[length], lengths=[64])
+    out = session.replay("prefill", token_ids=[more[:64]], slot_ids=[slot], positions=[length], new_tokens=[64])
     outs.append(out["logits"].clone())
     length += 64
     for accept in (5, None):
-        outs.append(session.replay("draft", tokens=[more[64:71]], row_ids=[slot], positions=[length])["logits"].clone())
-        outs.append(session.replay("verify", tokens=[more[64:72]], row_ids=[slot], positions=[length])["logits"].clone())
+        outs.append(session.replay("draft", token_ids=[more[64:71]], slot_ids=[slot], positions=[length])["logits"].clone())
+        outs.append(session.replay("verify", token_ids=[more[64:72]], slot_ids=[slot], positions=[length])["logits"].clone())
         if accept:
-            session.replay("commit", row_ids=[slot], positions=[length], accept_len=[accept])
+            session.replay("commit", slot_ids=[slot], positions=[length], accepted_tokens=[accept])
             length += accept
     return outs
 

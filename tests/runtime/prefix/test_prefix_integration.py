@@ -44,7 +44,7 @@ def run(package, prompts, cache=None, new_tokens=6):
     out = []
     for slot, p in enumerate(prompts):
         row = decoder.prefill(slot, p)
-        probe = session.replay("verify", tokens=[[row.pending] + p[:7]], row_ids=[slot],
+        probe = session.replay("verify", token_ids=[[row.pending] + p[:7]], slot_ids=[slot],
                                positions=[row.length])["logits"].clone()
         for _ in range(new_tokens):
             decoder.step([row], speculative=False)

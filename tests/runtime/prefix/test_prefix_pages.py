@@ -34,8 +34,8 @@ def prefill(session, slot: int, tokens: list[int], start: int = 0) -> torch.Tens
     """Prefill tokens[start:] into `slot` chunk by chunk; the last position's logits."""
     for at in range(start, len(tokens), CHUNK):
         piece = tokens[at : at + CHUNK]
-        out = session.replay("prefill", tokens=[piece + [0] * (CHUNK - len(piece))], row_ids=[slot],
-                             positions=[at], lengths=[len(piece)])
+        out = session.replay("prefill", token_ids=[piece + [0] * (CHUNK - len(piece))], slot_ids=[slot],
+                             positions=[at], new_tokens=[len(piece)])
         logits = out["logits"][0, len(piece) - 1].clone()
     return logits
 

@@ -27,10 +27,10 @@ def test_decode_equals_verify_then_commit_of_one_row(fused_pkg):
     prompt, token = random_tokens(gen, 150), random_tokens(gen, 1)[0]  # past the window, groups closing
     noise = fused_pkg.manifest.model.noise_token_id
     staged, direct = _prefilled(fused_pkg, prompt), _prefilled(fused_pkg, prompt)
-    at = {"row_ids": [0], "positions": [len(prompt)]}
-    want = staged.replay("verify", tokens=[[token] + [noise] * 7], **at)["logits"][0, 0].clone()
-    staged.replay("commit", accept_len=[1], **at)
-    got = direct.replay("decode", tokens=[[token]], lengths=[1], **at)["logits"][0, 0]
+    at = {"slot_ids": [0], "positions": [len(prompt)]}
+    want = staged.replay("verify", token_ids=[[token] + [noise] * 7], **at)["logits"][0, 0].clone()
+    staged.replay("commit", accepted_tokens=[1], **at)
+    got = direct.replay("decode", token_ids=[[token]], new_tokens=[1], **at)["logits"][0, 0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # T=1 and T=8 products round apart
     assert direct.seq_lens[0] == staged.seq_lens[0] == len(prompt) + 1
     for name, spec in fused_pkg.buffers.items():

@@ -175,7 +175,7 @@ def test_the_last_tokens_before_max_seq_len_decode_one_at_a_time(fused_pkg):
     calls, replay = [], session.replay
 
     def counted(name, **values):
-        calls.append((name, values.get("lengths")))
+        calls.append((name, values.get("new_tokens")))
         return replay(name, **values)
 
     session.replay = counted
@@ -187,8 +187,8 @@ def test_the_last_tokens_before_max_seq_len_decode_one_at_a_time(fused_pkg):
     sequence, argmax, margins = prompt + state.tokens[:-1], [], []
     for start in range(0, len(sequence), 64):
         piece = sequence[start : start + 64]
-        logits = reference.replay("prefill", tokens=[piece + [0] * (64 - len(piece))], row_ids=[0],
-                                  positions=[start], lengths=[len(piece)])["logits"][0, : len(piece)]
+        logits = reference.replay("prefill", token_ids=[piece + [0] * (64 - len(piece))], slot_ids=[0],
+                                  positions=[start], new_tokens=[len(piece)])["logits"][0, : len(piece)]
         argmax += logits.argmax(-1).tolist()
         margins += [float(t[0] - t[1]) for t in logits.topk(2).values]
     for i, token in enumerate(state.tokens):

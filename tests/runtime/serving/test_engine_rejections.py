@@ -97,16 +97,16 @@ def test_a_drafter_with_the_wrong_count_is_refused_before_verify(counted):
 
 @pytest.mark.parametrize("pass_name", ["prefill", "verify", "draft"])
 @pytest.mark.parametrize("row_ids, message", [
-    ([0, 2], r"row_ids: value 2 is out of range; expected a slot in \[0, 2\)"),  # 2 is the scratch slot
-    ([-1], r"row_ids: value -1 is out of range"),
-    ([1, 1], r"row_ids: \[1, 1\] repeats a slot; each row needs its own slot"),
+    ([0, 2], r"slot_ids: value 2 is out of range; expected a slot in \[0, 2\)"),  # 2 is the scratch slot
+    ([-1], r"slot_ids: value -1 is out of range"),
+    ([1, 1], r"slot_ids: \[1, 1\] repeats a slot; each row needs its own slot"),
 ])
 def test_bad_row_ids_are_refused_before_any_write(fused_pkg, pass_name, row_ids, message):
     session = fused_pkg.session(slots=2)
     width = session.package.passes[pass_name].width
-    values = dict(tokens=[[1] * width] * len(row_ids), row_ids=row_ids, positions=[0] * len(row_ids))
+    values = dict(token_ids=[[1] * width] * len(row_ids), slot_ids=row_ids, positions=[0] * len(row_ids))
     if pass_name == "prefill":
-        values["lengths"] = [1] * len(row_ids)
+        values["new_tokens"] = [1] * len(row_ids)
     before = snapshot(session)
     with pytest.raises(InputError, match=message):
         session.replay(pass_name, **values)

@@ -77,5 +77,5 @@ def test_a_replay_without_pages_raises_before_writing(fused_pkg):
     session = fused_pkg.session(slots=2, pages=2)
     before = {n: t.clone() for n, t in session.caches.items()}
     with pytest.raises(PagesExhausted, match=r"pass prefill: 4 more pages of pool index_key_pages are needed"):
-        session.replay("prefill", tokens=[[1] * 64] * 2, row_ids=[0, 1], positions=[0, 0], lengths=[64, 64])
+        session.replay("prefill", token_ids=[[1] * 64] * 2, slot_ids=[0, 1], positions=[0, 0], new_tokens=[64, 64])
     assert all(torch.equal(before[n], t) for n, t in session.caches.items())

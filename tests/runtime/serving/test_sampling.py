@@ -59,9 +59,9 @@ def p_and_q(vocab16):
     """
     session = vocab16.session(slots=1)
     Decoder(session).prefill(0, PROMPT)
-    at = dict(row_ids=[0], positions=[len(PROMPT)])
-    draft = session.replay("draft", tokens=[[PENDING] + [1] * 6], **at)["logits"][0]
-    verify = session.replay("verify", tokens=[[PENDING] + [1] * 7], **at)["logits"][0]
+    at = dict(slot_ids=[0], positions=[len(PROMPT)])
+    draft = session.replay("draft", token_ids=[[PENDING] + [1] * 6], **at)["logits"][0]
+    verify = session.replay("verify", token_ids=[[PENDING] + [1] * 7], **at)["logits"][0]
     return probabilities(verify, 1.0), probabilities(draft, 1.0)
 
 
@@ -110,11 +110,11 @@ def test_engine_samples_the_target_distribution_end_to_end(vocab16):
     assert engine.stats.drafted == 7 * requests  # every second token came from a speculative step
 
     session = vocab16.session(slots=1)
-    prefill = session.replay("prefill", tokens=[PROMPT + [0] * (64 - len(PROMPT))], row_ids=[0], positions=[0],
-                             lengths=[len(PROMPT)])["logits"][0, len(PROMPT) - 1]
+    prefill = session.replay("prefill", token_ids=[PROMPT + [0] * (64 - len(PROMPT))], slot_ids=[0], positions=[0],
+                             new_tokens=[len(PROMPT)])["logits"][0, len(PROMPT) - 1]
     first = probabilities(prefill, 1.0)
     # Verify writes staging only, so every candidate first token is scored at the same position.
-    second = torch.stack([probabilities(session.replay("verify", tokens=[[t] + [1] * 7], row_ids=[0],
+    second = torch.stack([probabilities(session.replay("verify", token_ids=[[t] + [1] * 7], slot_ids=[0],
                                                        positions=[len(PROMPT)])["logits"][0, 0], 1.0)
                           for t in range(VOCAB)])
     assert chi_square_p_value([s.tokens[0] for s in states], first) > P_VALUE

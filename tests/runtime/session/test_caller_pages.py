@@ -22,18 +22,18 @@ def tables(session, pages_by_pool: dict) -> dict:
     for pool, name in info.block_tables.items():
         width = session.pools[pool].pages_per_slot
         ids = pages_by_pool[pool]
-        out[name] = torch.tensor([ids + [-1] * (width - len(ids))], dtype=torch.int32)
+        out[info.input_kinds[name]] = torch.tensor([ids + [-1] * (width - len(ids))], dtype=torch.int32)
     return out
 
 
 def run(session, block_tables: dict | None) -> list[torch.Tensor]:
     extra = block_tables or {}
     prompt = list(range(3, 67))
-    first = session.replay("prefill", tokens=[prompt], row_ids=[0], positions=[0], lengths=[64], **extra)
+    first = session.replay("prefill", token_ids=[prompt], slot_ids=[0], positions=[0], new_tokens=[64], **extra)
     logits = [first["logits"].clone()]
-    second = session.replay("prefill", tokens=[list(range(9, 73))], row_ids=[0], positions=[64], lengths=[40], **extra)
+    second = session.replay("prefill", token_ids=[list(range(9, 73))], slot_ids=[0], positions=[64], new_tokens=[40], **extra)
     logits.append(second["logits"].clone())
-    verify = session.replay("verify", tokens=[[5] * 8], row_ids=[0], positions=[104], **extra)
+    verify = session.replay("verify", token_ids=[[5] * 8], slot_ids=[0], positions=[104], **extra)
     return logits + [verify["logits"].clone()]
 
 
@@ -52,7 +52,7 @@ def test_bad_block_tables_are_refused_before_anything_runs(fused_pkg):
     session = fused_pkg.session(slots=2, pages=PAGES)
     before = {n: t.clone() for n, t in session.caches.items()}
     good = {pool: [0, 1, 2, 3] for pool in session.pools}
-    prefill = dict(tokens=[[1] * 64], row_ids=[0], positions=[0], lengths=[64])
+    prefill = dict(token_ids=[[1] * 64], slot_ids=[0], positions=[0], new_tokens=[64])
     bad = tables(session, {**good, "entry_pages": [99]})
     with pytest.raises(InputError, match=r"entry_block_table: value 99 is out of range; expected a page id of pool "
                                          r"entry_pages \(or -1\) in \[-1, 16\)"):

@@ -39,11 +39,11 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
     package, plain, compiled, cache = sessions
     gen = torch.Generator().manual_seed(3)
     prompt, block = random_tokens(gen, package.passes["prefill"].width), random_tokens(gen, 8)
-    plain.replay("prefill", tokens=[prompt], row_ids=[0], positions=[0], lengths=[len(prompt)])
+    plain.replay("prefill", token_ids=[prompt], slot_ids=[0], positions=[0], new_tokens=[len(prompt)])
 
     # From the same caches (the plain session's), verify agrees to fp32 rounding ...
     _copy_state(plain, compiled)
-    step = {"tokens": [block], "row_ids": [0], "positions": [len(prompt)]}
+    step = {"token_ids": [block], "slot_ids": [0], "positions": [len(prompt)]}
     want = plain.replay("verify", **step)["logits"].clone()
     compiled.replay("verify", **step)  # compiles; verify writes only staging, so it can run again
     with torch.profiler.profile() as profile:
@@ -56,7 +56,7 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
 
     # ... and commit, which only moves bytes, writes exactly the same caches.
     _copy_state(plain, compiled)
-    accept = {"row_ids": [0], "positions": [len(prompt)], "accept_len": [5]}
+    accept = {"slot_ids": [0], "positions": [len(prompt)], "accepted_tokens": [5]}
     assert compiled.replay("commit", **accept)["next_positions"].tolist() == plain.replay("commit", **accept)[
         "next_positions"].tolist()
     for name in plain.caches:
@@ -67,7 +67,7 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
     _copy_state(plain, compiled)
     start = int(plain.seq_lens[0])
     for i in range(2):
-        step = {"tokens": [[block[i]]], "row_ids": [0], "positions": [start + i], "lengths": [1]}
+        step = {"token_ids": [[block[i]]], "slot_ids": [0], "positions": [start + i], "new_tokens": [1]}
         want = plain.replay("decode", **step)["logits"].clone()
         with torch.profiler.profile() as profile:
             got = compiled.replay("decode", **step)["logits"]

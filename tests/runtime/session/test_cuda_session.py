@@ -68,11 +68,11 @@ def test_fused_and_unfused_write_identical_bytes_on_cuda(fused_pkg, unfused_pkg,
         seen = []
         for session in sessions:
             poison(session)
-            d = session.replay("draft", tokens=draft, row_ids=slots, positions=positions)["logits"].clone()
+            d = session.replay("draft", token_ids=draft, slot_ids=slots, positions=positions)["logits"].clone()
             poison(session)
-            v = session.replay("verify", tokens=verify, row_ids=slots, positions=positions)["logits"].clone()
+            v = session.replay("verify", token_ids=verify, slot_ids=slots, positions=positions)["logits"].clone()
             staging = {k: t.clone() for k, t in session.staging.items()}
-            session.replay("commit", row_ids=slots, positions=positions, accept_len=accept)
+            session.replay("commit", slot_ids=slots, positions=positions, accepted_tokens=accept)
             seen.append((d, v, staging))
         assert torch.equal(seen[0][0], seen[1][0]) and torch.equal(seen[0][1], seen[1][1])
         for name in seen[0][2]:
@@ -87,11 +87,11 @@ def test_replays_allocate_nothing(fused_pkg):
     slots = [3, 0, 2]
     positions = [session.seq_lens[s] for s in slots]
     tokens = [random_tokens(torch.Generator().manual_seed(2), 8) for _ in slots]
-    session.replay("verify", tokens=tokens, row_ids=slots, positions=positions)
+    session.replay("verify", token_ids=tokens, slot_ids=slots, positions=positions)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for _ in range(100):
-        session.replay("verify", tokens=tokens, row_ids=slots, positions=positions)
+        session.replay("verify", token_ids=tokens, slot_ids=slots, positions=positions)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
 

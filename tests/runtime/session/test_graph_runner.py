@@ -105,11 +105,11 @@ def test_session_refuses_a_rebound_cache_and_leaves_every_cache_untouched(fused_
     original = session.caches[name]
     session.caches[name] = original.clone()
     with pytest.raises(ForeignBufferError, match=f"^{name}: bound at"):
-        session.replay("commit", row_ids=[0], positions=[20], accept_len=[3])
+        session.replay("commit", slot_ids=[0], positions=[20], accepted_tokens=[3])
     assert all(torch.equal(session.caches[k], v) for k, v in before.items())
     assert session.seq_lens[0] == 20  # the refused commit did not advance the slot
     session.caches[name] = original
-    session.replay("verify", tokens=[random_tokens(torch.Generator(), 8)], row_ids=[0], positions=[20])
+    session.replay("verify", token_ids=[random_tokens(torch.Generator(), 8)], slot_ids=[0], positions=[20])
 
 
 def test_session_buckets_come_from_its_runner(fused_pkg):

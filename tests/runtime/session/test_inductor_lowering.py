@@ -140,10 +140,10 @@ def test_the_lowered_graphs_compute_the_same_bytes(small_path):
     gen = torch.Generator().manual_seed(5)
     width = package.passes["prefill"].width
     prompts = [random_tokens(gen, width), random_tokens(gen, width - 5) + [0] * 5]  # the second: 5 invalid rows
-    steps = [("prefill", {"tokens": prompts, "row_ids": [0, 1], "positions": [0, 0],
-                          "lengths": [width, width - 5]}),
-             ("decode", {"tokens": [[7], [9]], "row_ids": [0, 1], "positions": [width, width - 5], "lengths": [1, 1]}),
-             ("verify", {"tokens": [random_tokens(gen, 8), random_tokens(gen, 8)], "row_ids": [0, 1],
+    steps = [("prefill", {"token_ids": prompts, "slot_ids": [0, 1], "positions": [0, 0],
+                          "new_tokens": [width, width - 5]}),
+             ("decode", {"token_ids": [[7], [9]], "slot_ids": [0, 1], "positions": [width, width - 5], "new_tokens": [1, 1]}),
+             ("verify", {"token_ids": [random_tokens(gen, 8), random_tokens(gen, 8)], "slot_ids": [0, 1],
                          "positions": [width + 1, width - 4]})]
     for name, values in steps:
         want = {k: v.clone() for k, v in plain.replay(name, **values).items()}

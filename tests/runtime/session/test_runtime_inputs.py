@@ -57,24 +57,29 @@ def primed(fused_pkg):
 
 
 BAD_INPUTS = [
-    ("verify", dict(tokens=[[1] * 8], row_ids=[3], positions=[0]), r"row_ids: value 3 is out of range"),
-    ("verify", dict(tokens=[[1] * 8], row_ids=[-2], positions=[0]), r"row_ids: value -2 is out of range"),
-    ("verify", dict(tokens=[[1] * 8] * 2, row_ids=[1, 1], positions=[3, 3]), r"repeats a slot"),
-    ("verify", dict(tokens=[[1] * 8], row_ids=[1], positions=[4]), r"positions: \[4\] do not continue .* \[3\]"),
-    ("verify", dict(tokens=[[1] * 8], row_ids=[0], positions=[100]), r"positions: \[100\] do not continue"),
-    ("verify", dict(tokens=[[512] + [1] * 7], row_ids=[1], positions=[3]), r"tokens: value 512 is out of range"),
-    ("verify", dict(tokens=[[-1] + [1] * 7], row_ids=[1], positions=[3]), r"tokens: value -1 is out of range"),
-    ("verify", dict(tokens=[[1] * 7], row_ids=[1], positions=[3]), r"tokens: shape \(1, 7\)"),
-    ("verify", dict(tokens=torch.ones(1, 8, dtype=torch.int64), row_ids=[1], positions=[3]), r"tokens: dtype torch.int64"),
-    ("verify", dict(tokens=torch.ones(1, 8, dtype=torch.int32, device="meta"), row_ids=[1], positions=[3]), r"tokens: on device meta"),
-    ("verify", dict(tokens=[[1] * 8] * 5, row_ids=[0, 1, 2, 0, 1], positions=[1] * 5), r"5 rows given; expected a 1-D list of 1 to 4"),
-    ("verify", dict(tokens=[], row_ids=[], positions=[]), r"0 rows given"),
-    ("verify", dict(tokens=[[1] * 8], row_ids=[1], positions=[3], extra=[1]), r"unknown \['extra'\]"),
-    ("draft", dict(tokens=[["a"] * 7], row_ids=[1], positions=[3]), r"tokens: cannot be read as int32"),
-    ("prefill", dict(tokens=[[1] * 64], row_ids=[2], positions=[0], lengths=[0]), r"lengths: value 0 is out of range"),
-    ("prefill", dict(tokens=[[1] * 64], row_ids=[2], positions=[0], lengths=[65]), r"lengths: value 65 is out of range"),
-    ("commit", dict(row_ids=[1], positions=[3], accept_len=[-1]), r"accept_len: value -1 is out of range"),
-    ("nope", dict(row_ids=[1]), r"unknown pass 'nope'"),
+    ("verify", dict(token_ids=[[1] * 8], slot_ids=[3], positions=[0]), r"slot_ids: value 3 is out of range"),
+    ("verify", dict(token_ids=[[1] * 8], slot_ids=[-2], positions=[0]), r"slot_ids: value -2 is out of range"),
+    ("verify", dict(token_ids=[[1] * 8] * 2, slot_ids=[1, 1], positions=[3, 3]), r"repeats a slot"),
+    ("verify", dict(token_ids=[[1] * 8], slot_ids=[1], positions=[4]), r"positions: \[4\] do not continue .* \[3\]"),
+    ("verify", dict(token_ids=[[1] * 8], slot_ids=[0], positions=[100]), r"positions: \[100\] do not continue"),
+    ("verify", dict(token_ids=[[512] + [1] * 7], slot_ids=[1], positions=[3]), r"token_ids: value 512 is out of range"),
+    ("verify", dict(token_ids=[[-1] + [1] * 7], slot_ids=[1], positions=[3]), r"token_ids: value -1 is out of range"),
+    ("verify", dict(token_ids=[[1] * 7], slot_ids=[1], positions=[3]), r"token_ids: shape \(1, 7\)"),
+    ("verify", dict(token_ids=torch.ones(1, 8, dtype=torch.int64), slot_ids=[1], positions=[3]), r"token_ids: dtype torch.int64"),
+    ("verify", dict(token_ids=torch.ones(1, 8, dtype=torch.int32, device="meta"), slot_ids=[1], positions=[3]), r"token_ids: on device meta"),
+    ("verify", dict(token_ids=[[1] * 8] * 5, slot_ids=[0, 1, 2, 0, 1], positions=[1] * 5), r"5 rows given; expected a 1-D list of 1 to 4"),
+    ("verify", dict(token_ids=[], slot_ids=[], positions=[]), r"0 rows given"),
+    ("verify", dict(token_ids=[[1] * 8], slot_ids=[1], positions=[3], extra=[1]),
+     r"pass verify: no input of kind 'extra'; it takes kinds \['token_ids', 'slot_ids', 'positions', 'entry_block_table', "
+     r"'index_key_block_table'\]"),
+    ("verify", dict(tokens=[[1] * 8], slot_ids=[1], positions=[3]),  # an exporter's input name, not a kind
+     r"no input of kind 'tokens' \('tokens' is the name of its token_ids input; a replay takes inputs by kind\)"),
+    ("verify", dict(token_ids=[[1] * 8], positions=[3]), r"pass verify: inputs of kinds .* expected; missing \['slot_ids'\]"),
+    ("draft", dict(token_ids=[["a"] * 7], slot_ids=[1], positions=[3]), r"token_ids: cannot be read as int32"),
+    ("prefill", dict(token_ids=[[1] * 64], slot_ids=[2], positions=[0], new_tokens=[0]), r"new_tokens: value 0 is out of range"),
+    ("prefill", dict(token_ids=[[1] * 64], slot_ids=[2], positions=[0], new_tokens=[65]), r"new_tokens: value 65 is out of range"),
+    ("commit", dict(slot_ids=[1], positions=[3], accepted_tokens=[-1]), r"accepted_tokens: value -1 is out of range"),
+    ("nope", dict(slot_ids=[1]), r"unknown pass 'nope'"),
 ]
 
 
@@ -99,4 +104,4 @@ def test_positions_beyond_the_model_limit_are_refused(small_recipe, tmp_path):
     decoder = Decoder(session)
     decoder.prefill(0, list(range(1, 126)))
     with pytest.raises(InputError, match=r"positions: value 133 is out of range; expected positions \+ width"):
-        session.replay("verify", tokens=[[1] * 8], row_ids=[0], positions=[125])
+        session.replay("verify", token_ids=[[1] * 8], slot_ids=[0], positions=[125])

@@ -26,7 +26,7 @@ def test_buffers_keep_address_and_size(fused_pkg):
 def _verify_logits(session, slot, prompt, tokens):
     decoder = Decoder(session)
     decoder.prefill(slot, prompt)
-    return session.replay("verify", tokens=[tokens], row_ids=[slot], positions=[len(prompt)])["logits"][0].clone()
+    return session.replay("verify", token_ids=[tokens], slot_ids=[slot], positions=[len(prompt)])["logits"][0].clone()
 
 
 def test_slot_reuse_matches_fresh_session(fused_pkg):
@@ -60,8 +60,8 @@ def consistency(fused_pkg):
         for cache in s.caches.values():
             cache.fill_(0xFF) if cache.dtype == torch.uint8 else cache.fill_(-1)
     Decoder(a).prefill(0, prompt)
-    verify = a.replay("verify", tokens=[extra], row_ids=[0], positions=[151])["logits"][0].clone()
-    a.replay("commit", row_ids=[0], positions=[151], accept_len=[8])
+    verify = a.replay("verify", token_ids=[extra], slot_ids=[0], positions=[151])["logits"][0].clone()
+    a.replay("commit", slot_ids=[0], positions=[151], accepted_tokens=[8])
     Decoder(b).prefill(0, prompt + extra)
     return a, b, verify
 
@@ -119,8 +119,8 @@ def test_verify_logits_match_prefill_logits(consistency, fused_pkg):
     Decoder(c).prefill(0, prompt[:128])
     # The last chunk covers positions 128..158; its rows 23..30 are positions 151..158.
     tail = prompt[128:] + extra
-    out = c.replay("prefill", tokens=[tail + [0] * (64 - len(tail))], row_ids=[0], positions=[128],
-                   lengths=[len(tail)])["logits"][0, 23:31]
+    out = c.replay("prefill", token_ids=[tail + [0] * (64 - len(tail))], slot_ids=[0], positions=[128],
+                   new_tokens=[len(tail)])["logits"][0, 23:31]
     # Same positions, same inputs; only batch shapes differ (see above), and a value that
     # flips one quantisation step moves a logit by far less than 1e-3 at these widths.
     assert torch.allclose(verify, out, atol=1e-3, rtol=0)

@@ -34,23 +34,23 @@ def renamed(small_path):
 def test_lengths_advance_by_the_recorded_input(renamed):
     session = renamed.session(slots=2, max_rows=2)
     chunk = renamed.passes["ingest"].width
-    session.replay("ingest", tokens=[[3] * chunk], row_ids=[1], positions=[0], lengths=[5])
+    session.replay("ingest", token_ids=[[3] * chunk], slot_ids=[1], positions=[0], new_tokens=[5])
     assert session.seq_lens[:2] == [0, 5] and int(session.caches[session.seq_len_buffer][1]) == 5
-    session.replay("check", tokens=[[4] * 8], row_ids=[1], positions=[5])
+    session.replay("check", token_ids=[[4] * 8], slot_ids=[1], positions=[5])
     assert session.seq_lens[1] == 5  # staging only: advances is null
-    session.replay("persist", row_ids=[1], positions=[5], accept_len=[3])
+    session.replay("persist", slot_ids=[1], positions=[5], accepted_tokens=[3])
     assert session.seq_lens[1] == 8 and int(session.caches[session.seq_len_buffer][1]) == 8
-    session.replay("persist", row_ids=[1], positions=[8], accept_len=[0])  # accepted_tokens: 0 is a count
+    session.replay("persist", slot_ids=[1], positions=[8], accepted_tokens=[0])  # accepted_tokens: 0 is a count
     assert session.seq_lens[1] == 8
-    with pytest.raises(InputError, match=r"lengths: value 0 is out of range; expected a row count .* \[1, "):
-        session.replay("ingest", tokens=[[3] * chunk], row_ids=[1], positions=[8], lengths=[0])  # new_tokens: 1 at least
+    with pytest.raises(InputError, match=r"new_tokens: value 0 is out of range; expected a row count .* \[1, "):
+        session.replay("ingest", token_ids=[[3] * chunk], slot_ids=[1], positions=[8], new_tokens=[0])  # new_tokens: 1 at least
     session.reset_slot(1)
     assert session.seq_lens[1] == 0 and int(session.caches[session.seq_len_buffer][1]) == 0
 
 
 def test_padding_rows_point_at_the_scratch_slot(renamed):
     session = renamed.session(slots=3, max_rows=4)
-    session.replay("check", tokens=[[1] * 8] * 3, row_ids=[0, 1, 2], positions=[0, 0, 0])  # bucket 4: one padding row
-    bucket = session.bucket_for("check", 3)
-    assert bucket.padding["row_ids"] == session.scratch_slot
-    assert bucket.inputs["row_ids"].tolist() == [0, 1, 2, session.scratch_slot]
+    session.replay("check", token_ids=[[1] * 8] * 3, slot_ids=[0, 1, 2], positions=[0, 0, 0])  # bucket 4: one padding row
+    bucket, slots = session.bucket_for("check", 3), renamed.passes["check"].input_of("slot_ids")
+    assert bucket.padding[slots] == session.scratch_slot
+    assert bucket.inputs[slots].tolist() == [0, 1, 2, session.scratch_slot]
