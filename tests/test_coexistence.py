@@ -1,8 +1,10 @@
 """This project and FlashInfer installed in one fresh environment, as a new user gets them.
 
 flashinfer-python's wheel ships a top-level `b12x` package (a shim onto its own kernels), the
-name this project once imported as. Each test makes a fresh venv, installs both real wheels in
-one order, and checks that neither touched the other's files and that both still work.
+name this project once imported as. Each side-by-side test makes a fresh venv, installs both
+real wheels in one order, and checks that neither touched the other's files and that both still
+work. Another installs this project's wheel alone and runs it with the repository root as the
+working directory, where a checkout's folders come first on sys.path.
 torch and the other dependencies come from the dev venv through a .pth file, because
 installing them into every fresh venv would take minutes.
 """
@@ -179,3 +181,13 @@ def test_installs_side_by_side(install_order, flashinfer_wheel, project_wheel, t
         run_quietly(b12x, "run", tmp_path / "out" / "dsv41-tiny.b12x", "--prompt-ids", "1,2,3,4",
                     "--max-new-tokens", "4", **in_venv)
 
+
+def test_a_wheel_install_works_from_the_repository_root(project_wheel, tmp_path):
+    # `python -c`, `python -m` (how torchrun starts the ranks of `b12x run --nproc`) and the REPL
+    # put the working directory first on sys.path: run from a checkout's root, no folder there
+    # may shadow the installed import root.
+    venv = fresh_venv(tmp_path, project_wheel)
+    assert imported_from(venv, ROOT).is_relative_to(venv.site_packages)
+    in_root = dict(cwd=ROOT, env=venv.env)
+    run_quietly(venv.python, "-m", "b12x_toolchain.exporter.cli.main", "--help", **in_root)
+    assert "export" in run_quietly(venv.scripts / "b12x", "--help", **in_root).stdout
