@@ -16,7 +16,7 @@ from paths import ROOT
 
 ROOT_PACKAGE = "b12x_toolchain"
 FOLDERS = {"exporter": f"{ROOT_PACKAGE}.exporter", "passes": f"{ROOT_PACKAGE}.passes",
-           "runtime": f"{ROOT_PACKAGE}.runtime", ROOT_PACKAGE: ROOT_PACKAGE}
+           "runtime": f"{ROOT_PACKAGE}.runtime", "b12x-toolchain": ROOT_PACKAGE}
 FORBIDDEN = {"runtime": ("exporter", "passes"), "passes": ("exporter",)}
 
 
