@@ -80,10 +80,8 @@ def record(name: str, ok: bool | None, detail: str) -> None:
 def kernel_bytes(device: str) -> None:
     import torch
 
-    from b12x_toolchain.runtime.ops import triton_rows
-
-    from b12x_toolchain.runtime.ops import triton_window
     from b12x_toolchain.runtime.formats.codecs import get_format
+    from b12x_toolchain.runtime.ops import triton_rows, triton_window
     from benchmarks.kernel_cases import kv_rows, window_case
 
     R = torch.ops.b12x_toolchain
@@ -203,8 +201,13 @@ def sparse_kernels(device: str, specs=None, extras: bool = True) -> None:
     import torch
 
     from b12x_toolchain.runtime.ops import triton_indexer, triton_sparse
-    from benchmarks.kernel_cases import (SPARSE_BLOCK_SIZE, SPARSE_BLOCKS, SPARSE_CASES, small_sparse_case,
-                                         sparse_case_id)
+    from benchmarks.kernel_cases import (
+        SPARSE_BLOCK_SIZE,
+        SPARSE_BLOCKS,
+        SPARSE_CASES,
+        small_sparse_case,
+        sparse_case_id,
+    )
 
     # On CUDA through the dispatcher; on the CPU dry run the launchers, in the interpreter.
     class Launchers:

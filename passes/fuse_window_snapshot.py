@@ -16,7 +16,6 @@ from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
 
 
-
 def _qualified(snapshot: dict, append: dict) -> None:
     check_fused_window(snapshot["history"], snapshot["layout"], snapshot["page_size"],
                        where=f"fuse_window_snapshot on {snapshot['staging'].name}")

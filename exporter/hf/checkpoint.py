@@ -19,10 +19,17 @@ from pathlib import Path
 
 import torch
 
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.hf.config import CONFIG, YARN_KEYS, HfConfigError, model_fields, read_config, tied_embeddings
+from b12x_toolchain.exporter.hf.config import (
+    CONFIG,
+    YARN_KEYS,
+    HfConfigError,
+    model_fields,
+    read_config,
+    tied_embeddings,
+)
 from b12x_toolchain.exporter.hf.names import Target, target_of
 from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, read_checkpoint, weight_map
 
 __all__ = ["checkpoint_source", "load_hf_checkpoint"]

@@ -23,13 +23,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
-from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.parallel import rank_weight_specs as weight_shapes_dtypes
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.formats.layout import staging_shape
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import BufferInfo, CachePages, PageSpec
 from b12x_toolchain.runtime.package.kinds import KINDS, block_table_kind
-from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.formats.layout import staging_shape
 
 # The staging kind that holds, per position of a verify pass, the rows of a cache kind.
 STAGING_KIND = {

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from b12x_toolchain.exporter.model.blocks import rms_norm, rope
 from b12x_toolchain.exporter.model.cache_io import StagedIO
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
-from b12x_toolchain.exporter.model.blocks import rms_norm, rope
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
 

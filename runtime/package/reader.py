@@ -23,18 +23,25 @@ from pathlib import Path
 
 import torch
 
+from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (graphs need the op set registered)
+from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.package.abi import BufferSpec, contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
-from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buffer_table, check_row_inputs, described,
-                                                     pass_fields, row_input_info)
+from b12x_toolchain.runtime.package.contract import (
+    BufferInfo,
+    PassFields,
+    buffer_table,
+    check_row_inputs,
+    described,
+    pass_fields,
+    row_input_info,
+)
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.parallel.group import bind_group, refuse_collectives
 from b12x_toolchain.runtime.parallel.mapping import read_mapping
-from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
-from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.strict_json import load_document
 
 # major.minor: another major is refused, an older minor accepted. 1.1 added external

@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x_toolchain.runtime.ops.namespace import NAMESPACE
-from b12x_toolchain.exporter.recipe.dims import Dims
+import paging
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES, exported, incremental, relative_rms
-import paging
 
 pytestmark = pytest.mark.slow(minutes=2)  # the module's time on two busy cores: longest runs first
 

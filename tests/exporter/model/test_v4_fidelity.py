@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
+from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
-from b12x_toolchain.runtime.ops.opset import ops
-from near_ties import first_difference
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
 from hf_reference import reference_logits, save_tiny_checkpoint
+from near_ties import first_difference
 
 pytestmark = pytest.mark.slow(minutes=3)  # the module's time on two busy cores: longest runs first
 

@@ -32,10 +32,10 @@ def test_recipe_refuses_unqualified_fusion_at_its_key(small_recipe, changes, key
 
 def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
     """Defence in depth: a graph reaching the pass with an unqualified site still fails export."""
-    from b12x_toolchain.exporter.pipeline.capture import capture
-    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.pass_modules import VerifyPass
     from b12x_toolchain.exporter.model.weights import init_weights
+    from b12x_toolchain.exporter.pipeline.capture import capture
+    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.passes.manager import PassError, build_pipeline, run_pipeline
 
     recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
