@@ -150,7 +150,7 @@ def test_each_layer_touches_only_the_caches_its_role_owns(fused_pkg, tiny_recipe
             assert readers >= 2 and prefill.count(f"cache.layer{i}.compressed") == 1 + readers
 
 
-def test_full_size_cache_bytes_per_token(monkeypatch):
+def test_full_size_cache_bytes_per_token():
     """V4.1-Flash: MXFP8 window rows of 528 bytes, NVFP4 entries of 288, MXFP4 index keys of
     68; long term 3 ratio-2 Full layers x 144 + one ratio-1 Full layer x 288 + index keys
     (3 x 34 + 68) = 890 bytes per token, as the published record sizes give."""

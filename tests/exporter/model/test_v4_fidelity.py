@@ -99,7 +99,7 @@ def test_reference_top_k_is_tie_free(reference, recipe, sequences):
     assert min(gaps) > 1e-4
 
 
-def test_prefill_logits_match_reference(fp32_pkg, reference, expected, sequences):
+def test_prefill_logits_match_reference(fp32_pkg, expected, sequences):
     session = fp32_pkg.session(slots=1, max_rows=1)
     seq = sequences[0][0][:200]  # two chunks of 128: the last one partial
     got = prefill(session, 0, seq)
