@@ -38,7 +38,6 @@ from b12x_toolchain.runtime import load, read_manifest
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.opset import ops  # noqa: F401  (registers torch.ops.b12x_toolchain)
 from b12x_toolchain.runtime.serving.speculative import Decoder
-
 from benchmarks.registry import Settings, benchmark, compare_timed
 
 RECIPE = "dsv41-tiny"

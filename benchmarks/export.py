@@ -104,10 +104,10 @@ def _layers_variant(recipe, layers: int):
 
 def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:
     """Median pipeline CPU time on fresh copies of the captured verify graph, its node count, matches."""
-    from b12x_toolchain.exporter.pipeline.capture import capture
-    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.pass_modules import PASSES
+    from b12x_toolchain.exporter.pipeline.capture import capture
     from b12x_toolchain.exporter.pipeline.structural import fake_weights
+    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.passes.kit import count_nodes, run_passes
     from b12x_toolchain.passes.pipeline import build_pipeline
 

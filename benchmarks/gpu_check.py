@@ -80,10 +80,8 @@ def record(name: str, ok: bool | None, detail: str) -> None:
 def kernel_bytes(device: str) -> None:
     import torch
 
-    from b12x_toolchain.runtime.ops import triton_rows
-
-    from b12x_toolchain.runtime.ops import triton_window
     from b12x_toolchain.runtime.formats.codecs import get_format
+    from b12x_toolchain.runtime.ops import triton_rows, triton_window
     from benchmarks.kernel_cases import kv_rows, window_case
 
     R = torch.ops.b12x_toolchain
@@ -164,7 +162,7 @@ SPARSE_TOPK, SPARSE_FULL_BLOCK, SPARSE_FULL_BLOCKS = 512, 8, 256
 SPARSE_PAGE_ENTRIES = 64  # entries per cache page in the length cases
 
 
-def _sparse_calls(case: dict, block_size: int, blocks: int, topk: int) -> dict:
+def _sparse_calls(block_size: int, blocks: int, topk: int) -> dict:
     """name -> (op name, arguments builder taking (case, earlier results)) of every sparse op checked."""
     from benchmarks.kernel_cases import attention_args, blocks_args, topk_args
 
@@ -188,7 +186,7 @@ def compare_sparse(ops, case: dict, device: str, block_size: int, blocks: int, t
     ref = torch.ops.b12x_toolchain
     dev = {k: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     want, problems = {}, []
-    for name, (op, args) in _sparse_calls(case, block_size, blocks, topk).items():
+    for name, (op, args) in _sparse_calls(block_size, blocks, topk).items():
         want[name] = getattr(ref, op)(*args(case, want))
         got = getattr(ops, op)(*args(dev, {k: v.to(device) for k, v in want.items()})).cpu()
         if op == "sparse_attention":
@@ -203,8 +201,13 @@ def sparse_kernels(device: str, specs=None, extras: bool = True) -> None:
     import torch
 
     from b12x_toolchain.runtime.ops import triton_indexer, triton_sparse
-    from benchmarks.kernel_cases import (SPARSE_BLOCK_SIZE, SPARSE_BLOCKS, SPARSE_CASES, small_sparse_case,
-                                         sparse_case_id)
+    from benchmarks.kernel_cases import (
+        SPARSE_BLOCK_SIZE,
+        SPARSE_BLOCKS,
+        SPARSE_CASES,
+        small_sparse_case,
+        sparse_case_id,
+    )
 
     # On CUDA through the dispatcher; on the CPU dry run the launchers, in the interpreter.
     class Launchers:
@@ -282,7 +285,7 @@ def sparse_timing() -> None:
                "; ".join(problems) or "index outputs identical, attention within 1e-5")
         case = sparse_length_case(committed, exact=False, device="cuda")
         got: dict = {}
-        for name, (op, args) in _sparse_calls(case, SPARSE_FULL_BLOCK, SPARSE_FULL_BLOCKS, SPARSE_TOPK).items():
+        for name, (op, args) in _sparse_calls(SPARSE_FULL_BLOCK, SPARSE_FULL_BLOCKS, SPARSE_TOPK).items():
             call_args = args(case, got)
             got[name] = getattr(ops, op)(*call_args)
             try:
@@ -396,7 +399,7 @@ def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
            f"{differing}/{appended} appended window rows differ (float math order differs across devices)")
 
 
-def allocation(session, device: str) -> None:
+def allocation(session) -> None:
     import torch
 
     slots, positions = [3, 0, 2], [session.seq_lens[s] for s in (3, 0, 2)]
@@ -507,7 +510,7 @@ def sessions(device: str) -> None:
     if device == "cpu":
         return
     cuda_vs_cpu(fused, fused_pkg)
-    allocation(fused, device)
+    allocation(fused)
     graph_nodes(fused, unfused)
     replay_rate(fused, unfused)
 

@@ -33,7 +33,6 @@ from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.prefix.snapshot import cache_specs as package_cache_specs
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
-
 from benchmarks.context_scaling import exported_variants, size_label
 from benchmarks.registry import Measurement, Settings, benchmark, compare_counts
 

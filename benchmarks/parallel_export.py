@@ -61,7 +61,6 @@ def _recipe(mapping: dict):
     import yaml
 
     from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
-from b12x_toolchain.runtime.package.reader import read_manifest
 
     data = load_recipe("dsv41").normalized()
     data["parallel"] = mapping

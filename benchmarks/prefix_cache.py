@@ -32,7 +32,6 @@ from b12x_toolchain.runtime.prefix.keys import Identity, token_bytes, token_hash
 from b12x_toolchain.runtime.prefix.l2 import L2Store, file_name
 from b12x_toolchain.runtime.prefix.snapshot import Snapshot
 from b12x_toolchain.runtime.serving.speculative import Decoder
-
 from benchmarks.registry import Settings, benchmark, compare_timed
 
 RECIPE = "dsv41-tiny"

@@ -38,7 +38,6 @@ from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.runtime.serving.speculative import Decoder
-
 from benchmarks.context_scaling import exported_variants, size_label
 from benchmarks.registry import Measurement, Settings, benchmark, compare_counts, compare_rates, compare_timed
 

@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.runtime import load, read_manifest
 from b12x_toolchain.runtime.serving.speculative import Decoder
-
 from benchmarks.registry import Settings, benchmark, compare_counts, compare_timed
 
 RECIPE = "dsv41-tiny"

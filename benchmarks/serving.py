@@ -24,7 +24,6 @@ from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
-
 from benchmarks.registry import Settings, benchmark, compare_rates
 
 RECIPE = "dsv41-tiny"

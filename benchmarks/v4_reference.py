@@ -41,14 +41,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.hf.config_writer import hf_config_dict
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.speculative import Decoder
-
 from benchmarks.registry import Settings, benchmark, compare_rates
 from benchmarks.serving import oracle_drafter
 

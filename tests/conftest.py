@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 import torch
 import yaml
+from filelock import FileLock
 
 if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It has to
@@ -24,7 +24,6 @@ if not torch.cuda.is_available():
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime import load
-
 
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
 # shared one, or one its module exports itself) or a child process (torch's import alone
@@ -181,9 +180,9 @@ def random_tokens(gen: torch.Generator, count: int, vocab: int = 512) -> list[in
 @pytest.fixture(scope="session")
 def checkpoint_dir(tiny_recipe, run_dir):
     """The tiny recipe's weights as a checkpoint: safetensors shards, an index with sha256."""
+    from b12x_toolchain.exporter.model.weights import init_weights
     from b12x_toolchain.exporter.pipeline.checkpoint_index import write_checkpoint
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.exporter.model.weights import init_weights
 
     def build(out):
         weights = init_weights(Dims.from_recipe(tiny_recipe), tiny_recipe.model.init_seed)
@@ -196,9 +195,9 @@ def checkpoint_dir(tiny_recipe, run_dir):
 def structural_path(tiny_recipe, checkpoint_dir, run_dir):
     """The tiny recipe exported without weights (two jobs), checksums from the checkpoint's
     index; the graph after every rewrite is dumped into the sibling folder `dump`."""
+    from b12x_toolchain.exporter.model.weights import weight_shapes
     from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.exporter.model.weights import weight_shapes
 
     def build(root):
         checksums = index_checksums(checkpoint_dir, weight_shapes(Dims.from_recipe(tiny_recipe)))

@@ -19,9 +19,9 @@ import safetensors.torch
 import torch
 import transformers
 
+from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from b12x_toolchain.exporter.model.weights import init_weights
 
 INDEX = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"

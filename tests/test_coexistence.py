@@ -1,8 +1,10 @@
 """This project and FlashInfer installed in one fresh environment, as a new user gets them.
 
 flashinfer-python's wheel ships a top-level `b12x` package (a shim onto its own kernels), the
-name this project once imported as. Each test makes a fresh venv, installs both real wheels in
-one order, and checks that neither touched the other's files and that both still work.
+name this project once imported as. Each side-by-side test makes a fresh venv, installs both
+real wheels in one order, and checks that neither touched the other's files and that both still
+work. Another installs this project's wheel alone and runs it with the repository root as the
+working directory, where a checkout's folders come first on sys.path.
 torch and the other dependencies come from the dev venv through a .pth file, because
 installing them into every fresh venv would take minutes.
 """
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -118,30 +121,51 @@ print(json.dumps({"file": b12x_toolchain.__file__,
 """
 
 
-@pytest.mark.parametrize("install_order", [("flashinfer", "ours"), ("ours", "flashinfer")],
-                         ids=["flashinfer-first", "ours-first"])
-def test_installs_side_by_side(install_order, flashinfer_wheel, project_wheel, tmp_path):
+@dataclass(frozen=True)
+class FreshVenv:
+    python: Path
+    scripts: Path
+    site_packages: Path
+    env: dict[str, str]
+
+
+def fresh_venv(tmp_path: Path, *wheels: Path) -> FreshVenv:
+    """A new venv with these wheels installed in this order, without their dependencies; torch
+    and the rest come from the dev venv through a .pth file written after the installs."""
     venv = tmp_path / "venv"
     run_quietly(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
-    # No PYTHONPATH, and a cwd outside the repository: neither may put its sources on sys.path.
+    # No PYTHONPATH: it may not put the repository's sources on sys.path.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
-    in_venv = dict(cwd=tmp_path, env=env)
-    wheels = {"flashinfer": flashinfer_wheel, "ours": project_wheel}
-    for name in install_order:
+    for wheel in wheels:
         # --no-compile: byte-compiling FlashInfer's ~14,000 modules is 2/3 of its install time.
         run_quietly(python, "-m", "pip", "install", "--no-deps", "--no-compile",
-                    "--disable-pip-version-check", wheels[name], **in_venv)
+                    "--disable-pip-version-check", wheel, cwd=tmp_path, env=env)
     print_paths = "import json, sysconfig; print(json.dumps(sysconfig.get_paths()))"
-    venv_paths = json.loads(run_quietly(python, "-c", print_paths, **in_venv).stdout)
+    venv_paths = json.loads(run_quietly(python, "-c", print_paths, cwd=tmp_path, env=env).stdout)
     site_packages = Path(venv_paths["purelib"]).resolve()
     # Written after the installs, so that pip saw only the fresh venv. Python does not scan a
     # directory a .pth adds for .pth files, so the dev venv's editable install stays out.
     (site_packages / "dev-venv-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return FreshVenv(python, Path(venv_paths["scripts"]), site_packages, env)
 
-    imported = json.loads(run_quietly(python, "-c", IMPORT_PROBE, **in_venv).stdout)
-    assert Path(imported["file"]).resolve().is_relative_to(site_packages), imported
-    assert imported["editable_hooks"] == []
+
+def imported_from(venv: FreshVenv, cwd: Path) -> Path:
+    """Where `import b12x_toolchain` in the venv, run in cwd, finds it (the runtime imports too)."""
+    imported = json.loads(run_quietly(venv.python, "-c", IMPORT_PROBE, cwd=cwd, env=venv.env).stdout)
+    assert imported["editable_hooks"] == [], imported
+    return Path(imported["file"]).resolve()
+
+
+@pytest.mark.parametrize("install_order", [("flashinfer", "ours"), ("ours", "flashinfer")],
+                         ids=["flashinfer-first", "ours-first"])
+def test_installs_side_by_side(install_order, flashinfer_wheel, project_wheel, tmp_path):
+    wheels = {"flashinfer": flashinfer_wheel, "ours": project_wheel}
+    venv = fresh_venv(tmp_path, *(wheels[name] for name in install_order))
+    site_packages = venv.site_packages
+    # A cwd outside the repository: it may not put the sources on sys.path either.
+    in_venv = dict(cwd=tmp_path, env=venv.env)
+    assert imported_from(venv, tmp_path).is_relative_to(site_packages)
 
     ours = record_paths_and_hashes(site_packages, OURS)
     theirs = record_paths_and_hashes(site_packages, FLASHINFER)
@@ -152,7 +176,18 @@ def test_installs_side_by_side(install_order, flashinfer_wheel, project_wheel, t
     assert damaged_files(ours) == []
 
     if install_order[0] == "flashinfer":  # once, on the order a vLLM environment has
-        b12x = Path(venv_paths["scripts"]) / "b12x"
+        b12x = venv.scripts / "b12x"
         run_quietly(b12x, "export", "--recipe", "dsv41-tiny", "--out", tmp_path / "out", **in_venv)
         run_quietly(b12x, "run", tmp_path / "out" / "dsv41-tiny.b12x", "--prompt-ids", "1,2,3,4",
                     "--max-new-tokens", "4", **in_venv)
+
+
+def test_a_wheel_install_works_from_the_repository_root(project_wheel, tmp_path):
+    # `python -c`, `python -m` (how torchrun starts the ranks of `b12x run --nproc`) and the REPL
+    # put the working directory first on sys.path: run from a checkout's root, no folder there
+    # may shadow the installed import root.
+    venv = fresh_venv(tmp_path, project_wheel)
+    assert imported_from(venv, ROOT).is_relative_to(venv.site_packages)
+    in_root = dict(cwd=ROOT, env=venv.env)
+    run_quietly(venv.python, "-m", "b12x_toolchain.exporter.cli.main", "--help", **in_root)
+    assert "export" in run_quietly(venv.scripts / "b12x", "--help", **in_root).stdout

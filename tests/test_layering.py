@@ -17,7 +17,7 @@ from paths import ROOT
 
 ROOT_PACKAGE = "b12x_toolchain"
 FOLDERS = {"exporter": f"{ROOT_PACKAGE}.exporter", "passes": f"{ROOT_PACKAGE}.passes",
-           "runtime": f"{ROOT_PACKAGE}.runtime", ROOT_PACKAGE: ROOT_PACKAGE}
+           "runtime": f"{ROOT_PACKAGE}.runtime", "b12x-toolchain": ROOT_PACKAGE}
 # layer -> (forbidden, allowed inside those): the runtime replays (and compiles) graphs with the
 # rewrite kit, so it may import the kit; the kit must stay free of the exporter's rewrites.
 RULES = {

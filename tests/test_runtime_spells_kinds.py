@@ -21,7 +21,6 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import bundled_recipes, load_recipe
 from b12x_toolchain.runtime.package.kinds import KINDS, OUTPUT_KINDS
-
 from paths import ROOT
 
 # Strings that equal an exporter name by coincidence, by file, and what they are instead.

@@ -35,9 +35,9 @@ class Progress:
 
 
 def _checksums(index, recipe):
+    from b12x_toolchain.exporter.model.weights import weight_shapes
     from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.exporter.model.weights import weight_shapes
 
     return index_checksums(index, weight_shapes(Dims.from_recipe(recipe)))
 
@@ -70,8 +70,8 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
 
 def _checkpoint_weights(directory, recipe):
     """(weights, source) from a Hugging Face checkpoint; a CheckpointError names the directory."""
-    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.hf.checkpoint import checkpoint_source, load_hf_checkpoint
+    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 
     try:

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import click
-from rich.table import Table
-
 from rich.console import Console
+from rich.table import Table
 
 from b12x_toolchain.exporter.cli import common
 from b12x_toolchain.exporter.cli.common import fail

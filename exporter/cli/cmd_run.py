@@ -113,8 +113,8 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report.
     A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
     from b12x_toolchain.runtime import PackageError, load
-    from b12x_toolchain.runtime.serving.engine import Engine, passes_used
     from b12x_toolchain.runtime.prefix.cache import PrefixCache
+    from b12x_toolchain.runtime.serving.engine import Engine, passes_used
     from b12x_toolchain.runtime.serving.requests import check_request
     from b12x_toolchain.runtime.session.validate import InputError
 

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.exporter.errors import PromptError  # noqa: F401  (re-exported)
+from b12x_toolchain.runtime.serving.requests import Request
 
 JSON_KEYS = ("prompt", "max_new_tokens", "stop", "id", "seed")
 

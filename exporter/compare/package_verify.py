@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from b12x_toolchain.exporter.errors import VerifyError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.package.kinds import KINDS
-from b12x_toolchain.exporter.errors import VerifyError  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,17 @@ from pathlib import Path
 
 import torch
 
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.hf.config import CONFIG, YARN_KEYS, HfConfigError, model_fields, read_config, tied_embeddings
+from b12x_toolchain.exporter.hf.config import (
+    CONFIG,
+    YARN_KEYS,
+    HfConfigError,
+    model_fields,
+    read_config,
+    tied_embeddings,
+)
 from b12x_toolchain.exporter.hf.names import Target, target_of
 from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, read_checkpoint, weight_map
 
 __all__ = ["checkpoint_source", "load_hf_checkpoint"]
@@ -140,7 +147,7 @@ def _read(root: Path, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
         raise
 
 
-def _assemble(weight: str, held: dict, tensors: dict[str, torch.Tensor], experts: int) -> torch.Tensor:
+def _assemble(held: dict, tensors: dict[str, torch.Tensor], experts: int) -> torch.Tensor:
     if (None, 0) in held:
         return tensors[held[(None, 0)]]
     parts = sorted({part for _, part in held})
@@ -168,7 +175,7 @@ def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"{extra[0]}: in the checkpoint but not a weight of the recipe's model{more}")
     tensors = _read(root, expected)
-    out = {weight: _assemble(weight, plan[weight], tensors, experts) for weight in specs if weight in plan}
+    out = {weight: _assemble(plan[weight], tensors, experts) for weight in specs if weight in plan}
     if tied:
         if LM_HEAD in out and not torch.equal(out[LM_HEAD], out[EMBED]):
             raise CheckpointError(f"{LM_HEAD}: differs from {EMBED}, but config.json sets tie_word_embeddings")

@@ -19,6 +19,7 @@ import math
 import re
 from pathlib import Path
 from typing import Any
+
 from b12x_toolchain.exporter.errors import HfConfigError  # noqa: F401  (re-exported)
 
 __all__ = ["HfConfigError", "model_fields", "read_config", "recipe_from_hf_config", "recipe_name", "tied_embeddings"]

@@ -24,13 +24,13 @@ from typing import NamedTuple
 
 from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.model.cache_io import STATE_FORMAT
-from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.parallel import rank_weight_specs as weight_shapes_dtypes
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.formats.layout import staging_shape
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import BufferInfo, CachePages, PageSpec
 from b12x_toolchain.runtime.package.kinds import KINDS, block_table_kind
-from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.formats.layout import staging_shape
 
 # The staging kind that holds, per position of a verify pass, the rows of a cache kind.
 STAGING_KIND = {
@@ -79,17 +79,6 @@ def owned_caches(d: Dims, i: int) -> list[Owned]:
         out.append(owned("index_keys", entries, d.index_format, d.index_head_dim, ratio))
     if kind == "csa":
         out.append(owned("index_compressor_state", state_span(kind, ratio), STATE_FORMAT, 4 * d.index_head_dim, 1))
-    return out
-    entries = d.max_seq_len // ratio
-    out.append(Owned(names.local("compressed_entries", owner), "compressed_entries", entries, d.compressed_format, d.head_dim, ratio))
-    if kind != "direct":
-        width = 4 * d.head_dim if kind == "csa" else 2 * d.head_dim  # [kv | gate], two series where CSA overlaps
-        out.append(Owned(names.local("compressor_state", owner), "compressor_state", state_span(kind, ratio), STATE_FORMAT, width, 1))
-    if kind == "csa" or not d.v4:
-        out.append(Owned(names.local("index_keys", owner), "index_keys", entries, d.index_format, d.index_head_dim, ratio))
-    if kind == "csa":
-        out.append(Owned(names.local("index_compressor_state", owner), "index_compressor_state", state_span(kind, ratio), STATE_FORMAT,
-                         4 * d.index_head_dim, 1))
     return out
 
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model import buffer_names as names
+from b12x_toolchain.exporter.model.blocks import rms_norm, rope
 from b12x_toolchain.exporter.model.cache_io import StagedIO
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
-from b12x_toolchain.exporter.model.blocks import rms_norm, rope
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
 

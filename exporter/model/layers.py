@@ -16,9 +16,20 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from b12x_toolchain.exporter.model.blocks import (grouped_out, hc_head, hc_merge, hc_mix, inv_freq, moe, pool, rms_norm, rope,
-                                                  rope_angles, unit_rms_norm)
 from b12x_toolchain.exporter.model import buffer_names
+from b12x_toolchain.exporter.model.blocks import (
+    grouped_out,
+    hc_head,
+    hc_merge,
+    hc_mix,
+    inv_freq,
+    moe,
+    pool,
+    rms_norm,
+    rope,
+    rope_angles,
+    unit_rms_norm,
+)
 from b12x_toolchain.exporter.model.buffers import owned_caches
 from b12x_toolchain.exporter.model.cache_io import _before
 from b12x_toolchain.exporter.model.parallel import Mesh

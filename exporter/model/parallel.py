@@ -121,7 +121,8 @@ class Mesh:
         """The sum of every rank's x."""
         if self.world_size == 1:
             return x
-        from torch.distributed import _functional_collectives as funcol, group
+        from torch.distributed import _functional_collectives as funcol
+        from torch.distributed import group
         return funcol.all_reduce(x, "sum", group.WORLD)
 
     def tensor_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,8 @@ class Mesh:
         """Every rank's x side by side along the last axis, in rank order."""
         if self.tensor == 1:
             return x
-        from torch.distributed import _functional_collectives as funcol, group
+        from torch.distributed import _functional_collectives as funcol
+        from torch.distributed import group
         stacked = funcol.all_gather_single(x.contiguous(), 0, group.WORLD)  # [ranks * rows, ..., local]
         # [ranks, rows, ..., local] -> [rows, ..., ranks, local] -> [rows, ..., ranks * local]; a view,
         # not a chunk, so a dynamic rows dimension stays dynamic.

@@ -10,16 +10,16 @@ whose staging it makes persistent — is declared here and recorded in the manif
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from b12x_toolchain.exporter.model import buffer_names as names, buffers
+from b12x_toolchain.exporter.model import buffer_names as names
+from b12x_toolchain.exporter.model import buffers
 from b12x_toolchain.exporter.model.cache_io import DirectIO, StagedIO, slot_mapping
 from b12x_toolchain.exporter.model.dspark import DSparkDrafter
 from b12x_toolchain.exporter.model.layers import DeepSeekCompute, Shared
 from b12x_toolchain.exporter.model.mtp import MtpDrafter
+from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.kinds import KINDS, kinds_for
-from b12x_toolchain.runtime.ops.opset import ops
 
 
 class DeepSeekPass(DeepSeekCompute):

@@ -10,24 +10,29 @@ from typing import Callable
 import torch
 
 import b12x_toolchain
-from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
+from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.pipeline.package_writer import weights_bytes, write_package
 from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, pass_label, run_jobs
-from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
-from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.passes.kit import PassResult
+from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN  # the `cuda` extra pins exactly this version
+from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
+from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
 from b12x_toolchain.runtime.package.contract import BufferInfo, described
 from b12x_toolchain.runtime.package.conventions import PassEntry
-from b12x_toolchain.runtime.package.manifest import (Manifest, ModelFacts, RewriteResult, Rewrites, Weights,
-                                                     abi_fingerprint)
-from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
-from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN  # the `cuda` extra pins exactly this version
-from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
+from b12x_toolchain.runtime.package.manifest import (
+    Manifest,
+    ModelFacts,
+    RewriteResult,
+    Rewrites,
+    Weights,
+    abi_fingerprint,
+)
 from b12x_toolchain.runtime.prefix.snapshot import capabilities as snapshot_capabilities
-from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
-
 
 
 @dataclass

@@ -19,17 +19,17 @@ from pathlib import Path
 from typing import Callable
 
 from b12x_toolchain.exporter.errors import ExportError
-from b12x_toolchain.exporter.pipeline.capture import capture
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
-from b12x_toolchain.exporter.views.pass_dump import PassDump
 from b12x_toolchain.exporter.model.pass_modules import PASSES
-from b12x_toolchain.exporter.pipeline.structural import fake_weights
+from b12x_toolchain.exporter.pipeline.capture import capture
+from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
 from b12x_toolchain.exporter.pipeline.rank_group import rank_group
-from b12x_toolchain.runtime.parallel.group import collective_counts
+from b12x_toolchain.exporter.pipeline.structural import fake_weights
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.views.pass_dump import PassDump
 from b12x_toolchain.passes.kit import PassError, PassResult, run_passes
 from b12x_toolchain.passes.pipeline import build_pipeline
 from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.parallel.group import collective_counts
 
 
 def pass_label(name: str, rank: int | None) -> str:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from b12x_toolchain.exporter.errors import ReexportError  # noqa: F401  (re-exported)
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import parse_recipe
-from b12x_toolchain.exporter.errors import ReexportError  # noqa: F401  (re-exported)
 
 
 @dataclass

@@ -14,10 +14,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.model.parallel import rank_weight_specs
 from b12x_toolchain.exporter.model.weights import weight_specs
-from b12x_toolchain.runtime.package.manifest import WeightTensor, Weights
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.package.manifest import Weights, WeightTensor
 
 
 def fake_weights(d: Dims) -> dict[str, torch.Tensor]:

@@ -143,10 +143,6 @@ class Dims:
     def window_row_bytes(self) -> int:
         return get_format(self.window_format).row_bytes(self.head_dim)
 
-    @property
-    def compressed_row_bytes(self) -> int:
-        return get_format(self.compressed_format).row_bytes(self.head_dim)
-
 
 def _csa2_roles(ratios, csa2):
     roles, kv_source, index_source = [], [], []

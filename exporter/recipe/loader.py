@@ -18,16 +18,23 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BeforeValidator, Field, Strict
-from pydantic import ValidationError, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, Strict, ValidationError, model_validator
 
-from b12x_toolchain.exporter.recipe.schema import V4ModelSpec, V41ModelSpec
+from b12x_toolchain.exporter.recipe.field_types import (
+    Buckets,
+    NonNegInt,
+    PosInt,
+    _check,
+    _no_bool,
+    _problem,
+    _Spec,
+    format_key_path,
+)
 from b12x_toolchain.exporter.recipe.parallel import ParallelSpec
-from b12x_toolchain.exporter.recipe.field_types import (Buckets, NonNegInt, PosInt, _check, _no_bool, _problem, _Spec,
-                                        format_key_path)
+from b12x_toolchain.exporter.recipe.schema import V4ModelSpec, V41ModelSpec
+from b12x_toolchain.exporter.recipe.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 from b12x_toolchain.runtime.formats.codecs import renamed
 from b12x_toolchain.runtime.ops.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
-from b12x_toolchain.exporter.recipe.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 
 __all__ = [
     "KNOWN_REWRITES", "PASS_NAMES", "Recipe", "RecipeError",

@@ -13,7 +13,16 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, Strict, model_validator
 
-from b12x_toolchain.exporter.recipe.field_types import NonNegInt, PosFloat, PosInt, Ratio, _check, _problem, _Spec, _unique
+from b12x_toolchain.exporter.recipe.field_types import (
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Ratio,
+    _check,
+    _problem,
+    _Spec,
+    _unique,
+)
 
 Ids = Annotated[tuple[NonNegInt, ...], Field(min_length=1), AfterValidator(_unique)]
 Even = Annotated[PosInt, _check(lambda v: v % 2 == 0, "even (RoPE rotates pairs)")]

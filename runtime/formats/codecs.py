@@ -57,9 +57,17 @@ import torch
 __all__ = ["Format", "FORMATS", "get_format", "check_dim"]
 
 from b12x_toolchain.runtime.formats import dsv41
-from b12x_toolchain.runtime.formats.minifloat import (_E2M1_EMAX, _E4M3_EMAX, _blocks, _e4m3_bytes_to_f32,
-                                                      _mx_decode, _mx_scales, _pack_e2m1, _to_e4m3_bytes,
-                                                      _unpack_e2m1)
+from b12x_toolchain.runtime.formats.minifloat import (
+    _E2M1_EMAX,
+    _E4M3_EMAX,
+    _blocks,
+    _e4m3_bytes_to_f32,
+    _mx_decode,
+    _mx_scales,
+    _pack_e2m1,
+    _to_e4m3_bytes,
+    _unpack_e2m1,
+)
 
 
 def _encode_mxfp8(x: torch.Tensor, out: torch.Tensor) -> None:

@@ -52,8 +52,16 @@ import math
 
 import torch
 
-from b12x_toolchain.runtime.formats.minifloat import (_E4M3_MAX, _block_amax, _blocks, _e2m1_codes,
-                                                      _e4m3_bytes_to_f32, _pack_e2m1, _pow2_table, _to_e4m3_bytes)
+from b12x_toolchain.runtime.formats.minifloat import (
+    _E4M3_MAX,
+    _block_amax,
+    _blocks,
+    _e2m1_codes,
+    _e4m3_bytes_to_f32,
+    _pack_e2m1,
+    _pow2_table,
+    _to_e4m3_bytes,
+)
 
 FLASHINFER_PIN = "0.7.4"
 """The flashinfer-python release whose V4.1 records these encoders reproduce (the cuda extra pins it)."""

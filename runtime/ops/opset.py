@@ -23,9 +23,9 @@ import importlib.util
 import torch
 
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.formats.layout import history_offsets, ring_index, token_view
 from b12x_toolchain.runtime.ops.define import fake_for, reference_op
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION  # noqa: F401 (re-exported)
-from b12x_toolchain.runtime.formats.layout import history_offsets, ring_index, token_view
 from b12x_toolchain.runtime.ops.sparse_ops import page_view
 
 RAW_BYTES = "bytes"  # write_rows format for rows that are already encoded
@@ -177,8 +177,8 @@ def _(values, fmt):
     return torch.empty_like(values, dtype=torch.float32)
 
 
-from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers the sparse ops)
 from b12x_toolchain.runtime.ops.mhc_ops import MHC_OPS  # noqa: E402  (registers the mHC op)
+from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers the sparse ops)
 
 ops = getattr(torch.ops, NAMESPACE)
 """The registered namespace: modules that call the ops import this name, which guarantees

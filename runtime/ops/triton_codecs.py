@@ -29,9 +29,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-F32_MAX_BITS = 0x7F7FFFFF
-F32_INF_BITS = 0x7F800000
-
 
 @triton.jit
 def _msb(m):

@@ -15,8 +15,19 @@ import triton
 import triton.language as tl
 
 from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.ops.triton_codecs import (BF16, DSV41_MXFP4, DSV41_MXFP8, DSV41_NVFP4, FP32, OCP_MXFP4, OCP_MXFP8, RAW, load_rows,
-                                                     round_trip_rows, store_rows)
+from b12x_toolchain.runtime.ops.triton_codecs import (
+    BF16,
+    DSV41_MXFP4,
+    DSV41_MXFP8,
+    DSV41_NVFP4,
+    FP32,
+    OCP_MXFP4,
+    OCP_MXFP8,
+    RAW,
+    load_rows,
+    round_trip_rows,
+    store_rows,
+)
 
 CODES = {"dsv41_mxfp8": DSV41_MXFP8, "dsv41_nvfp4": DSV41_NVFP4, "dsv41_mxfp4": DSV41_MXFP4,
          "ocp_mxfp8": OCP_MXFP8, "ocp_mxfp4": OCP_MXFP4, "bf16": BF16, "fp32": FP32}

@@ -19,9 +19,16 @@ import triton
 import triton.language as tl
 
 from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.ops.triton_codecs import DSV41_MXFP4, DSV41_MXFP8, DSV41_NVFP4, OCP_MXFP4, OCP_MXFP8, store_rows
-from b12x_toolchain.runtime.ops.triton_rows import CODES, tokens_per_tile, word_view
 from b12x_toolchain.runtime.ops import triton_rows
+from b12x_toolchain.runtime.ops.triton_codecs import (
+    DSV41_MXFP4,
+    DSV41_MXFP8,
+    DSV41_NVFP4,
+    OCP_MXFP4,
+    OCP_MXFP8,
+    store_rows,
+)
+from b12x_toolchain.runtime.ops.triton_rows import CODES, tokens_per_tile, word_view
 
 COPY_TOKENS = 16  # ring rows per snapshot tile
 FUSABLE = {"dsv41_mxfp8": DSV41_MXFP8, "dsv41_nvfp4": DSV41_NVFP4, "dsv41_mxfp4": DSV41_MXFP4,

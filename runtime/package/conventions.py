@@ -13,8 +13,15 @@ from dataclasses import dataclass
 
 from b12x_toolchain.runtime.errors import PackageError
 from b12x_toolchain.runtime.package.abi import BufferSpec
-from b12x_toolchain.runtime.package.contract import (BufferInfo, PassFields, buffer_table, check_row_inputs, described,
-                                                     pass_fields, row_input_info)
+from b12x_toolchain.runtime.package.contract import (
+    BufferInfo,
+    PassFields,
+    buffer_table,
+    check_row_inputs,
+    described,
+    pass_fields,
+    row_input_info,
+)
 
 
 @dataclass(frozen=True)

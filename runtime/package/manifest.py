@@ -22,9 +22,18 @@ from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
 from b12x_toolchain.runtime.package.contract import BufferInfo
 from b12x_toolchain.runtime.package.conventions import PassEntry, read_passes, shared_buffers
-from b12x_toolchain.runtime.package.manifest_sections import WHERE, expect, expect_keys, is_count, is_str_map
-from b12x_toolchain.runtime.package.manifest_sections import (ModelFacts, RewriteResult, Rewrites,  # noqa: F401
-                                                              WeightTensor, Weights)  # (re-exported: the sections)
+from b12x_toolchain.runtime.package.manifest_sections import (  # noqa: F401
+    WHERE,
+    ModelFacts,
+    RewriteResult,
+    Rewrites,
+    Weights,
+    WeightTensor,  # (re-exported: the sections)
+    expect,
+    expect_keys,
+    is_count,
+    is_str_map,
+)
 from b12x_toolchain.runtime.parallel.mapping import Mapping
 
 # major.minor: another major is refused, an older minor accepted. 1.1 added external

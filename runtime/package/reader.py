@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
+from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.ops import opset as _ops  # noqa: F401  (graphs need the op set registered)
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.conventions import PassEntry, shared_buffers
-from b12x_toolchain.runtime.package.pass_graph import MEMOISED, PassGraph, load_graph, refuse_collectives  # noqa: F401
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.manifest import Manifest
+from b12x_toolchain.runtime.package.pass_graph import MEMOISED, PassGraph, load_graph, refuse_collectives  # noqa: F401
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.parallel.group import bind_group
-from b12x_toolchain.runtime.errors import PackageError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.strict_json import load_document
 
 MANIFEST_LIMIT = 16 << 20

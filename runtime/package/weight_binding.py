@@ -14,8 +14,8 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 
-from b12x_toolchain.runtime.package.checkpoint import read_checkpoint
 from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.package.checkpoint import read_checkpoint
 from b12x_toolchain.runtime.strict_json import safetensors_header
 
 

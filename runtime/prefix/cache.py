@@ -30,8 +30,8 @@ import queue
 import threading
 from dataclasses import asdict, dataclass
 
-from b12x_toolchain.runtime.prefix.keys import token_bytes
 from b12x_toolchain.runtime.errors import PagesExhausted
+from b12x_toolchain.runtime.prefix.keys import token_bytes
 from b12x_toolchain.runtime.prefix.l1 import L1Cache
 from b12x_toolchain.runtime.prefix.l2 import L2Store
 from b12x_toolchain.runtime.prefix.snapshot import LayoutError, Snapshot, SnapshotCodec, SnapshotError

@@ -52,7 +52,6 @@ from typing import Callable
 import torch
 
 from b12x_toolchain.runtime.prefix import keys as prefix_keys
-
 from b12x_toolchain.runtime.prefix import snapshot_file
 from b12x_toolchain.runtime.prefix.keys import KEY_PREFIX, Identity
 from b12x_toolchain.runtime.prefix.snapshot import Snapshot

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
+from b12x_toolchain.runtime.errors import LayoutError, SnapshotError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.prefix.keys import Identity, package_identity, token_bytes, token_hash, token_ids
-from b12x_toolchain.runtime.errors import SnapshotError, LayoutError  # noqa: F401  (re-exported)
 
 # Attention window rings: the rotating caches of the capability flags.
 WINDOW_KINDS = ("window_ring", "draft_window")

@@ -30,10 +30,10 @@ from collections.abc import Iterable
 import torch
 
 from b12x_toolchain.runtime.errors import PagesExhausted
+from b12x_toolchain.runtime.serving.drafts import confident_drafts, confident_lengths
 from b12x_toolchain.runtime.serving.requests import Request, RequestState, check_request
 from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
 from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
-from b12x_toolchain.runtime.serving.drafts import confident_drafts, confident_lengths
 
 DECODE_PASSES = ("draft", "verify", "commit")
 

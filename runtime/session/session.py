@@ -21,15 +21,15 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
+from b12x_toolchain.runtime.ops.opset import ops
+from b12x_toolchain.runtime.ops.qualify import check_fused_window
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.package.kinds import KINDS
-from b12x_toolchain.runtime.session.page_tables import PageTables
-from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
-from b12x_toolchain.runtime.ops.opset import ops
-from b12x_toolchain.runtime.ops.qualify import check_fused_window
+from b12x_toolchain.runtime.session.page_tables import PageTables
+from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.retarget import graph_on
 from b12x_toolchain.runtime.session.validate import BufferError, check_buffer, validate_inputs
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from b12x_toolchain.runtime.errors import BufferError, InputError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.kinds import KINDS
-from b12x_toolchain.runtime.errors import BufferError, InputError  # noqa: F401  (re-exported)
 
 
 def check_buffer(spec: BufferSpec, tensor, shape: tuple, device: torch.device) -> None:

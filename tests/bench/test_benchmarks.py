@@ -119,10 +119,10 @@ def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
     """The V4 benchmark in-process on a small fp32 variant (the runner would export dsv4-tiny
     twice): every case is a well-formed tokens/s pair, and the greedy streams agree."""
     pytest.importorskip("transformers")
-    from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.exporter.pipeline.export import export_package
-    from b12x_toolchain.exporter.recipe.loader import load_recipe
     from b12x_toolchain.exporter.model.weights import init_weights
+    from b12x_toolchain.exporter.pipeline.export import export_package
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from b12x_toolchain.exporter.recipe.loader import load_recipe
     from b12x_toolchain.runtime import load
     from benchmarks import v4_reference
     from benchmarks.registry import REGISTRY, Settings
@@ -159,9 +159,9 @@ def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
 
 
 def test_replay_refuses_packages_that_are_not_its_fused_and_unfused_exports(fused_path, unfused_path):
+    from b12x_toolchain.exporter.recipe.loader import load_recipe
     from benchmarks.registry import Settings
     from benchmarks.replay import RECIPE, packages
-    from b12x_toolchain.exporter.recipe.loader import load_recipe
 
     # The runner test above replays the right pair; swapped, they are refused before loading.
     recipe = load_recipe(RECIPE)

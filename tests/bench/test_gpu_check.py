@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-from paths import ROOT
 
+from paths import ROOT
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")

@@ -6,8 +6,8 @@ import runpy
 import sys
 
 import pytest
-from paths import ROOT
 
+from paths import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

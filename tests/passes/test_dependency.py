@@ -12,8 +12,19 @@ import torch
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.kit.dependency import dependency_graph, order, tensor_args
 
-from .layer_graphs import (  # noqa: F401
-    ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,
+from .layer_graphs import (
+    DIM,
+    FMT,
+    HISTORY,
+    LAYOUT,
+    PAGE,
+    ROW_BYTES,
+    ROWS,
+    TOKENS,
+    WIDTH,
+    export,
+    layer_inputs,
+    ops,
 )
 
 

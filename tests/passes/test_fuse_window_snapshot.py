@@ -12,11 +12,26 @@ import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT as fuse
-from b12x_toolchain.runtime.formats.layout import staging_shape
 from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 
 from .layer_graphs import (  # noqa: F401
-    ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, ring, staging, kv, row_input, layer_inputs, export,
+    DIM,
+    FMT,
+    HISTORY,
+    LAYOUT,
+    PAGE,
+    ROW_BYTES,
+    ROWS,
+    SLOTS,
+    TOKENS,
+    WIDTH,
+    export,
+    kv,
+    layer_inputs,
+    ops,
+    ring,
+    row_input,
+    staging,
     structure,
 )
 

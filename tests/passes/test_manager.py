@@ -11,8 +11,17 @@ from b12x_toolchain.passes.kit import PassError, PassResult, RewritePass, run_pa
 from b12x_toolchain.passes.kit.invariants import check_invariants, signature
 from b12x_toolchain.passes.pipeline import build_pipeline
 
-from .layer_graphs import (  # noqa: F401
-    ops, ROWS, SLOTS, WIDTH, DIM, ROW_BYTES, HISTORY, LAYOUT, PAGE, FMT, TOKENS, layer_inputs, export,
+from .layer_graphs import (
+    DIM,
+    FMT,
+    HISTORY,
+    LAYOUT,
+    PAGE,
+    ROWS,
+    TOKENS,
+    WIDTH,
+    layer_inputs,
+    ops,
 )
 
 GRAPH = "verify"  # the graph name every failure message must carry

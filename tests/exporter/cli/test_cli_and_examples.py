@@ -11,7 +11,6 @@ from b12x_toolchain.exporter.cli.main import main
 from paths import ROOT
 
 
-
 def test_inspect_shows_passes_abi_rewrites_and_files(fused_path, fused_pkg):
     result = CliRunner().invoke(main, ["inspect", str(fused_path)], terminal_width=200)
     assert result.exit_code == 0, result.output

@@ -8,8 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from b12x_toolchain.exporter.compare.abi_diff import diff_manifests
 from b12x_toolchain.exporter.cli.main import main
+from b12x_toolchain.exporter.compare.abi_diff import diff_manifests
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.manifest import digest
 

@@ -12,8 +12,8 @@ import safetensors.torch
 from click.testing import CliRunner
 
 from b12x_toolchain.exporter.cli.main import main
-from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest
 from b12x_toolchain.exporter.compare.package_verify import Tolerance, VerifyError, verify_packages
+from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest
 from b12x_toolchain.runtime import load
 
 

@@ -15,15 +15,15 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hf_reference import INDEX, save_tiny_checkpoint
 from b12x_toolchain.exporter.cli.main import main
-from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from b12x_toolchain.exporter.hf.config import HfConfigError, model_fields, read_config, recipe_from_hf_config
 from b12x_toolchain.exporter.hf.config_writer import hf_config_dict
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
+from hf_reference import INDEX, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import paging
 from b12x_toolchain.exporter.model.parallel import rank_weights
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
@@ -20,7 +21,6 @@ from b12x_toolchain.exporter.recipe.loader import load_recipe
 from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES
 from ranks import on_ranks
-import paging
 
 LENGTH = 150  # past the 128-token window
 

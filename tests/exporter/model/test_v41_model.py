@@ -15,13 +15,13 @@ import dataclasses
 import pytest
 import torch
 
-from b12x_toolchain.runtime.ops.namespace import NAMESPACE
-from b12x_toolchain.exporter.recipe.dims import Dims
+import paging
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES, exported, incremental, relative_rms
-import paging
 
 pytestmark = pytest.mark.slow(minutes=2)  # the module's time on two busy cores: longest runs first
 
@@ -152,7 +152,7 @@ def test_each_layer_touches_only_the_caches_its_role_owns(fused_pkg, tiny_recipe
             assert readers >= 2 and prefill.count(f"cache.layer{i}.compressed") == 1 + readers
 
 
-def test_full_size_cache_bytes_per_token(monkeypatch):
+def test_full_size_cache_bytes_per_token():
     """V4.1-Flash: MXFP8 window rows of 528 bytes, NVFP4 entries of 288, MXFP4 index keys of
     68; long term 3 ratio-2 Full layers x 144 + one ratio-1 Full layer x 288 + index keys
     (3 x 34 + 68) = 890 bytes per token, as the published record sizes give."""

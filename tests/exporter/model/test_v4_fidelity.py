@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
+from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
-from b12x_toolchain.runtime.ops.opset import ops
-from near_ties import first_difference
-from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
 from hf_reference import reference_logits, save_tiny_checkpoint
+from near_ties import first_difference
 
 pytestmark = pytest.mark.slow(minutes=3)  # the module's time on two busy cores: longest runs first
 
@@ -99,7 +99,7 @@ def test_reference_top_k_is_tie_free(reference, recipe, sequences):
     assert min(gaps) > 1e-4
 
 
-def test_prefill_logits_match_reference(fp32_pkg, reference, expected, sequences):
+def test_prefill_logits_match_reference(fp32_pkg, expected, sequences):
     session = fp32_pkg.session(slots=1, max_rows=1)
     seq = sequences[0][0][:200]  # two chunks of 128: the last one partial
     got = prefill(session, 0, seq)

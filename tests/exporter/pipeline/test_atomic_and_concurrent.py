@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.runtime import PackageError, load
+from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.speculative import Decoder
 
 pytestmark = pytest.mark.slow(minutes=3.5)  # the module's time on two busy cores: longest runs first

@@ -18,8 +18,8 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline import capture as capture_module
 from b12x_toolchain.exporter.pipeline.capture import capture, no_stack_traces
 from b12x_toolchain.exporter.pipeline.layer_copies import COPY, MARKERS, copying_layers
-from b12x_toolchain.exporter.pipeline.stitch_layer_copies import StitchError, stitch
 from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
+from b12x_toolchain.exporter.pipeline.stitch_layer_copies import StitchError, stitch
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import parse_recipe

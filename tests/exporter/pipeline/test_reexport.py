@@ -24,7 +24,6 @@ from conftest import recipe_variant
 from paths import ROOT
 
 
-
 @pytest.fixture(scope="module")
 def small_structural(small_recipe, tmp_path_factory):
     return export_package(small_recipe, tmp_path_factory.mktemp("small"), structural=True).path

@@ -30,12 +30,12 @@ def test_recipe_refuses_unqualified_fusion_at_its_key(small_recipe, changes, key
         recipe_variant(small_recipe, changes)
 
 
-def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe, tmp_path):
+def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe):
     """Defence in depth: a graph reaching the pass with an unqualified site still fails export."""
-    from b12x_toolchain.exporter.pipeline.capture import capture
-    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.model.pass_modules import VerifyPass
     from b12x_toolchain.exporter.model.weights import init_weights
+    from b12x_toolchain.exporter.pipeline.capture import capture
+    from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.passes.kit import PassError, run_passes
     from b12x_toolchain.passes.pipeline import build_pipeline
 

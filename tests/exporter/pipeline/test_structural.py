@@ -13,7 +13,6 @@ import safetensors.torch
 import torch
 
 from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest
-
 from b12x_toolchain.runtime import PackageError, load
 from b12x_toolchain.runtime.package.checkpoint import INDEX
 from b12x_toolchain.runtime.package.manifest import WeightTensor
@@ -109,9 +108,9 @@ def test_manifest_weight_list_must_match_the_pass_inputs(structural_path, tmp_pa
 @pytest.mark.slow
 def test_full_size_structural_export(tmp_path):
     """Every pass of the full-size recipe on this CPU, without 500 GB of weights, from the CLI."""
+    from b12x_toolchain.exporter.model.weights import weight_shapes
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.recipe.loader import load_recipe
-    from b12x_toolchain.exporter.model.weights import weight_shapes
 
     proc = subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "export", "--recipe", "dsv41", "--weights", "none",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)

@@ -6,8 +6,8 @@ import pytest
 
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
-from recipe_text import TINY_TEXT, edit, line_of, parse_error
 from paths import RECIPES
+from recipe_text import TINY_TEXT, edit, line_of, parse_error
 
 
 def with_parallel(section: str, text: str = TINY_TEXT) -> str:

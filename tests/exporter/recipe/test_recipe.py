@@ -264,7 +264,7 @@ def test_file_errors_use_the_path_as_given(tmp_path):
     assert info.value.line == 2
 
 
-def test_bundled_errors_use_the_base_name(monkeypatch):
+def test_bundled_errors_use_the_base_name():
     with pytest.raises(RecipeError) as info:
         load_recipe("dsv99")
     assert info.value.file == "dsv99"

@@ -12,7 +12,6 @@ MX scales: amax = m * 2^k with m in [1, 2) gives e = k - emax (emax 8 for E4M3, 
 E2M1), clamped to [-127, 127], scale byte e + 127.
 """
 
-import math
 
 import pytest
 import torch

@@ -4,7 +4,6 @@ Expected bytes below are derived by hand (see the comments), never by calling
 the encoder.
 """
 
-import math
 
 import pytest
 import torch

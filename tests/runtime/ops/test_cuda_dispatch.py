@@ -112,5 +112,5 @@ def test_import_root_is_this_project():
     # root is `b12x_toolchain`, so the two can share an environment.
     import b12x_toolchain
 
-    assert Path(b12x_toolchain.__file__).resolve() == ROOT / "b12x_toolchain" / "__init__.py"
+    assert Path(b12x_toolchain.__file__).resolve() == ROOT / "b12x-toolchain" / "__init__.py"
     assert b12x_toolchain.__version__

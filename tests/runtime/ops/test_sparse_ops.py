@@ -47,7 +47,7 @@ def _case(rows, width, ratio, capacity, positions, seed=0, fmt="dsv41_nvfp4", in
     return page_case(case, g)
 
 
-def _dense_entries(c, records, new, fmt, dim):
+def _dense_entries(records, new, fmt, dim):
     """Every entry a row can hold, then this pass's entries: op set v1's gather."""
     return torch.cat([get_format(fmt).decode(records, dim), new], dim=1)
 
@@ -70,7 +70,7 @@ def _dense_ids(c, capacity):
 
 def _dense_scores(c, capacity):
     """[R, T, capacity + T] indexer scores of every dense column, -inf where not visible."""
-    keys = _dense_entries(c, c["index_records"], c["new_keys"], c["index_fmt"], INDEX_DIM)
+    keys = _dense_entries(c["index_records"], c["new_keys"], c["index_fmt"], INDEX_DIM)
     per_head = torch.relu(torch.einsum("rthd,rsd->rths", c["iq"], keys)) * INDEX_DIM ** -0.5
     return (per_head * c["head_weights"][..., None]).sum(dim=2).masked_fill(~_dense_visible(c, capacity), -torch.inf)
 
@@ -156,7 +156,7 @@ def test_candidate_blocks_are_the_best_blocks_plus_the_newest():
 
 def _dense_attention(c, capacity, indices):
     """Op set v1's attention: every entry slot, masked to the visible (and chosen) ones."""
-    keys = torch.cat([c["window"], _dense_entries(c, c["entry_records"], c["new"], c["fmt"], DIM)], dim=1)
+    keys = torch.cat([c["window"], _dense_entries(c["entry_records"], c["new"], c["fmt"], DIM)], dim=1)
     visible = _dense_visible(c, capacity)
     if indices is not None:
         ids = _dense_ids(c, capacity)

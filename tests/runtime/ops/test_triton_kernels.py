@@ -16,13 +16,11 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from b12x_toolchain.runtime.ops import opset as ops  # noqa: E402,F401  (references)
-from b12x_toolchain.runtime.ops import triton_rows  # noqa: E402
-from b12x_toolchain.runtime.ops import triton_window
-from b12x_toolchain.runtime.formats.codecs import get_format  # noqa: E402
 from b12x_toolchain.runtime.formats import codecs as formats  # noqa: E402
-from b12x_toolchain.runtime.formats import minifloat  # noqa: E402
-from b12x_toolchain.runtime.formats import dsv41  # noqa: E402
+from b12x_toolchain.runtime.formats import dsv41, minifloat  # noqa: E402
+from b12x_toolchain.runtime.formats.codecs import get_format  # noqa: E402
+from b12x_toolchain.runtime.ops import opset as ops  # noqa: E402,F401  (references)
+from b12x_toolchain.runtime.ops import triton_rows, triton_window  # noqa: E402
 from b12x_toolchain.runtime.ops.triton_codecs import _swallowed, e2m1_code, e4m3_code  # noqa: E402
 from benchmarks.kernel_cases import edge_rows, kv_rows, window_case  # noqa: E402
 

@@ -20,11 +20,23 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from b12x_toolchain.runtime.ops import opset  # noqa: E402,F401  (registers the references)
-from b12x_toolchain.runtime.ops import cuda_kernels, triton_indexer, triton_sparse  # noqa: E402
-from benchmarks.kernel_cases import (SPARSE_BLOCK_SIZE as BLOCK_SIZE, SPARSE_BLOCKS as BLOCKS,  # noqa: E402
-                                     SPARSE_CASES as CASES, attention_args, blocks_args, page_case,
-                                     small_sparse_case, sparse_case_id, topk_args)
+from b12x_toolchain.runtime.ops import (  # noqa: E402
+    cuda_kernels,
+    opset,  # noqa: F401  (registers the references)
+    triton_indexer,
+    triton_sparse,
+)
+from benchmarks.kernel_cases import SPARSE_BLOCK_SIZE as BLOCK_SIZE  # noqa: E402
+from benchmarks.kernel_cases import SPARSE_BLOCKS as BLOCKS  # noqa: E402
+from benchmarks.kernel_cases import SPARSE_CASES as CASES  # noqa: E402
+from benchmarks.kernel_cases import (  # noqa: E402
+    attention_args,
+    blocks_args,
+    page_case,
+    small_sparse_case,
+    sparse_case_id,
+    topk_args,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REF = torch.ops.b12x_toolchain

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.pipeline.export import buffer_table, pass_entry
+from b12x_toolchain.exporter.pipeline.rank_files import SINGLE_DEVICE_FORMAT
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.ops.namespace import OPSET_VERSION
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry
-from b12x_toolchain.exporter.pipeline.rank_files import SINGLE_DEVICE_FORMAT
 from b12x_toolchain.runtime.package.manifest import Manifest, ModelFacts, Rewrites, Weights, abi_fingerprint, digest
 from b12x_toolchain.runtime.package.reader import read_manifest
 

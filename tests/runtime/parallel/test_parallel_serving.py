@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.engine import Engine

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import paging
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.abi import BufferSpec
@@ -22,7 +23,6 @@ from b12x_toolchain.runtime.package.contract import BufferInfo, CachePages
 from b12x_toolchain.runtime.prefix.snapshot import LayoutError, SnapshotCodec, cache_layout, capabilities
 from b12x_toolchain.runtime.session.page_tables import PageTables
 from b12x_toolchain.runtime.session.pages import PagePool
-import paging
 
 OLD_NAMES = (re.compile(r"^cache\.layer(\d+)\.(window|compressed|state|index|index_state)$"),
              re.compile(r"^cache\.draft(\d+)\.(window|hidden)$"), re.compile(r"^cache\.seq_len$"))

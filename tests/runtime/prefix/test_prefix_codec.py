@@ -9,8 +9,16 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.prefix.keys import token_bytes
 from b12x_toolchain.runtime.prefix.l1 import L1Cache
 from b12x_toolchain.runtime.prefix.l2 import L2Store
-from b12x_toolchain.runtime.prefix.snapshot import (LayoutError, SnapshotCodec, SnapshotError, SnapshotMismatch, cache_layout,
-                                   cache_specs, capabilities, package_layout)
+from b12x_toolchain.runtime.prefix.snapshot import (
+    LayoutError,
+    SnapshotCodec,
+    SnapshotError,
+    SnapshotMismatch,
+    cache_layout,
+    cache_specs,
+    capabilities,
+    package_layout,
+)
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
 from runtime.prefix.helpers import clone, continue_slot, same

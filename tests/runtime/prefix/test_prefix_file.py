@@ -9,7 +9,12 @@ import safetensors
 import torch
 
 from b12x_toolchain.runtime.prefix import snapshot_file
-from b12x_toolchain.runtime.prefix.snapshot_file import ChecksumMismatch, CorruptSnapshot, IdentityMismatch, SchemaMismatch
+from b12x_toolchain.runtime.prefix.snapshot_file import (
+    ChecksumMismatch,
+    CorruptSnapshot,
+    IdentityMismatch,
+    SchemaMismatch,
+)
 from runtime.prefix.helpers import APPEND, fake_identity, make_snapshot, same
 
 

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from b12x_toolchain.runtime.prefix import l2 as prefix_l2
-
 from b12x_toolchain.runtime.prefix import snapshot_file
 from b12x_toolchain.runtime.prefix.keys import token_bytes
 from b12x_toolchain.runtime.prefix.l2 import L2Store, file_name

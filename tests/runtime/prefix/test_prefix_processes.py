@@ -13,7 +13,6 @@ import safetensors.torch
 import torch
 
 from b12x_toolchain.runtime.prefix import l2 as prefix_l2
-
 from b12x_toolchain.runtime.prefix import snapshot_file
 from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from b12x_toolchain.runtime.prefix.keys import token_bytes

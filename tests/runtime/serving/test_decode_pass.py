@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from b12x_toolchain.runtime.formats.codecs import get_format

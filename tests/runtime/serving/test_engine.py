@@ -8,8 +8,8 @@ import torch
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.runtime.serving.speculative import Decoder
-from near_ties import NEAR_TIE, first_difference
 from conftest import poison, random_tokens
+from near_ties import NEAR_TIE, first_difference
 
 REQUESTS, SLOTS = 64, 8
 COUNTERS = ("rows", "padding_rows", "drafted", "accepted", "bonus", "prefill_tokens", "admitted", "retired",

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from b12x_toolchain.runtime.serving.speculative import Decoder
-from near_ties import first_difference
 from conftest import random_tokens
+from near_ties import first_difference
 
 LENGTHS = (1, 40, 200)  # one token, short, past the 128-token window
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from b12x_toolchain.runtime.serving.speculative import Decoder
 from b12x_toolchain.runtime.session.capture import CudaGraphCapture, RecordedStep, RecordingCapture
 from b12x_toolchain.runtime.session.graph_runner import WARMUP_STEPS, ForeignBufferError, GraphRunner
 from b12x_toolchain.runtime.session.session import Session
-from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
 
 SCRATCH = 9

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x_toolchain.runtime.session.graph_runner import ForeignBufferError, GraphRunner
 from b12x_toolchain.runtime.serving.speculative import Decoder
+from b12x_toolchain.runtime.session.graph_runner import ForeignBufferError, GraphRunner
 from conftest import random_tokens
 
 

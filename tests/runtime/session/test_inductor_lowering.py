@@ -18,7 +18,7 @@ import torch
 
 from b12x_toolchain.passes.kit import PassResult, named_args
 from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.ops.opset import RAW_BYTES, ops, round_trip, window_read, gather_rows
+from b12x_toolchain.runtime.ops.opset import RAW_BYTES, gather_rows, ops, round_trip, window_read
 from b12x_toolchain.runtime.session.compiled import lower_for_inductor
 from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
 from b12x_toolchain.runtime.session.split_encoding_writes import encode_rows

@@ -7,7 +7,6 @@ on, and every op of the set has a meta (fake) implementation, so a pass graph ru
 from __future__ import annotations
 
 import pytest
-import torch
 
 from b12x_toolchain.runtime.session.retarget import graph_on
 

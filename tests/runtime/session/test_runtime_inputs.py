@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import paging
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from b12x_toolchain.runtime.session.validate import BufferError, InputError
-import paging
 
 
 @pytest.fixture(scope="module")

@@ -43,10 +43,6 @@ def test_slot_reuse_matches_fresh_session(fused_pkg):
     assert Decoder(reused).generate([new, old], 20)[0] == Decoder(fresh).generate([new], 20)[0]
 
 
-def _window_rows_decoded(cache, slot, fmt, dim):
-    return get_format(fmt).decode(cache[slot], dim)
-
-
 @pytest.fixture(scope="module")
 def consistency(fused_pkg):
     """Session A: prefill P, verify T (8 tokens), commit all 8. Session B: prefill P+T.
