@@ -96,9 +96,9 @@ def test_indexer_rows(tiny_recipe):
 
 def test_different_weights_or_outputs_are_refused():
     weights = {"w": torch.zeros(2)}
-    same = SimpleNamespace(weights={"w": torch.zeros(2)}, manifest={"name": "b"})
-    other = SimpleNamespace(weights={"w": torch.ones(2)}, manifest={"name": "c"})
-    base = SimpleNamespace(weights=weights, manifest={"name": "a"})
+    same = SimpleNamespace(weights={"w": torch.zeros(2)}, manifest=SimpleNamespace(name="b"))
+    other = SimpleNamespace(weights={"w": torch.ones(2)}, manifest=SimpleNamespace(name="c"))
+    base = SimpleNamespace(weights=weights, manifest=SimpleNamespace(name="a"))
     cs.check_weights([base, same])
     with pytest.raises(RuntimeError, match="weights differ"):
         cs.check_weights([base, other])

@@ -14,7 +14,7 @@ import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op se
 from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT as fuse
 from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 
-from .layer_graphs import (  # noqa: F401
+from .layer_graphs import (
     DIM,
     FMT,
     HISTORY,

@@ -65,8 +65,10 @@ def test_a_cache_without_a_known_kind_turns_snapshots_off(specs):
 def _fake(specs, max_seq_len):
     """A package and a session of two slots (plus scratch) holding random bytes, pages included:
     all the codec touches. Slot 0 holds pages for LENGTH tokens."""
-    package = SimpleNamespace(manifest={"model": {"max_seq_len": max_seq_len}, "format_version": "3.0"},
-                              passes={"ingest": SimpleNamespace(inputs=specs)})
+    manifest = SimpleNamespace(model=SimpleNamespace(max_seq_len=max_seq_len), format_version="3.0", opset_version=3,
+                               recipe={}, recipe_sha256="0" * 64, files={}, weights=SimpleNamespace(file=None))
+    package = SimpleNamespace(manifest=manifest, passes={"ingest": SimpleNamespace(inputs=specs)},
+                              caches=[s for s in specs if s.role == "cache"])
     gen = torch.Generator().manual_seed(0)
     caches = {s.name: torch.randint(0, 256, s.resolve(paging.symbols(specs, 3)), generator=gen, dtype=torch.uint8)
               if s.dtype == "uint8" else torch.zeros(3, dtype=torch.int32) for s in specs}
