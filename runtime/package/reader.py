@@ -27,7 +27,7 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.conventions import PassEntry, shared_buffers
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.manifest import Manifest
-from b12x_toolchain.runtime.package.pass_graph import MEMOISED, PassGraph, load_graph, refuse_collectives  # noqa: F401
+from b12x_toolchain.runtime.package.pass_graph import MEMOISED, PassGraph, refuse_collectives
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.parallel.group import bind_group
 from b12x_toolchain.runtime.strict_json import load_document

@@ -45,15 +45,6 @@ def collective_counts(graph) -> dict[str, int]:
     return counts
 
 
-def refuse_collectives(programs: dict) -> None:
-    """A package for one device calls no collective: there is no group for it to run in."""
-    for pass_name, program in programs.items():
-        for node in program.graph.nodes:
-            if _op(node) is not None:
-                raise PackageError(f"graph {pass_name}: node {node.name} calls {node.target}, but the package "
-                                   "has no parallel mapping")
-
-
 def _group_args(node) -> tuple[str, int | None]:
     """(group name, group size or None) of a collective node."""
     if _op(node) == "all_reduce":  # (input, reduce_op, group_name)

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest
 from b12x_toolchain.runtime import PackageError, load
-from b12x_toolchain.runtime.package.reader import load_graph
+from b12x_toolchain.runtime.package.pass_graph import load_graph
 
 GRAPH = "graphs/commit.pt2"  # the smallest graph: quickest to rewrite and to load
 MODEL = "archive/models/model.json"

@@ -21,8 +21,8 @@ from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.errors import PackageError
-from b12x_toolchain.runtime.package.reader import load_graph
-from b12x_toolchain.runtime.parallel.group import collective_counts, refuse_collectives
+from b12x_toolchain.runtime.package.pass_graph import PassGraph, load_graph, refuse_collectives
+from b12x_toolchain.runtime.parallel.group import collective_counts
 from b12x_toolchain.runtime.parallel.mapping import Mapping
 from ranks import on_ranks
 
@@ -80,7 +80,7 @@ def test_every_rank_has_its_graphs_and_shards(packed, structural, recipe):
     assert m["parallel"]["collectives"]["commit"] == {}
     with pytest.raises(PackageError, match="calls _c10d_functional.all_reduce.default, but the package has no "
                                            "parallel mapping"):
-        refuse_collectives({"verify": program})
+        refuse_collectives({"verify": PassGraph("verify", (packed / "ranks/0/graphs/verify.pt2").read_bytes())})
 
 
 def _two_ranks(rank, packed, structural, checkpoint, done):
