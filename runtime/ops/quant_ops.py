@@ -81,7 +81,11 @@ def _linear_by_row_chunks(x: torch.Tensor, decode_rows: Callable[[int, int], tor
 @reference_op()
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_m: int, block_n: int,
                      act_rule: str) -> torch.Tensor:
-    """float32 [..., out] = act(x [..., in]) @ W.T, W the FP8 weight [out, in] in (block_m, block_n) blocks."""
+    """float32 [..., out] = act(x [..., in]) @ W.T, W the FP8 weight [out, in] in (block_m, block_n) blocks.
+
+    W is decoded a chunk of rows at a time (at most `DECODE_CHUNK_ELEMENTS` weights, or one
+    block row): extra memory stays under 64 MiB at the default whatever the layer's size.
+    """
     check_fp8_block(weight, scale, (block_m, block_n))
     _check_in_features(x, weight.shape[1])
     xa = activations(x, act_rule)
