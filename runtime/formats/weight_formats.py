@@ -238,10 +238,11 @@ def act_quant_e4m3(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     """
     xf = x.to(torch.float32)
     n = xf.shape[-1]
-    groups = _blocks(F.pad(xf, (0, -n % group)), group)
+    padded = F.pad(xf, (0, -n % group))
+    groups = _blocks(padded, group)
     finite = torch.isfinite(groups).all(dim=-1, keepdim=True)
     amax = torch.where(finite, groups, 0.0).abs().amax(dim=-1, keepdim=True)
     scale = _pow2(_pow2_ceil_exponent(amax.clamp_min(ACT_MIN_AMAX) / _E4M3_MAX))
     q = _e4m3_bytes_to_f32(_to_e4m3_bytes(groups / scale))
     out = torch.where(finite, q * scale, float("nan"))
-    return out.reshape(*xf.shape[:-1], -1)[..., :n]
+    return out.reshape(padded.shape)[..., :n]

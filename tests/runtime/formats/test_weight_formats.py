@@ -268,3 +268,7 @@ def test_act_quant_is_deepseeks_rule_per_token_per_128_channels():
 def test_act_quant_keeps_leading_dims_and_other_groups():
     x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(8))
     assert _same_bits(act_quant_e4m3(x, group=32).view(6, 96), _act_quant_float64(x.view(6, 96), 32))
+
+
+def test_act_quant_of_no_tokens_is_empty():
+    assert act_quant_e4m3(torch.zeros(0, 3, 200)).shape == (0, 3, 200)

@@ -242,3 +242,15 @@ def test_expert_tiles_cover_every_row_once_within_the_static_bound():
     # Tiles of 4: expert 0 one, expert 2 one, expert 5 two; slots ceil(11 / 4) + min(7, 11) = 10.
     assert t["tile_expert"].tolist() == [0, 2, 5, 5] + [7] * 6
     assert t["tile_first"].tolist() == [0, 1, 1, 2, 2, 2, 4]
+
+
+@needs_triton
+@pytest.mark.parametrize("rule", RULES)
+def test_no_tokens_give_empty_results(rule):
+    x, weight, scale = _fp8_case(0, 40, 64, (32, 32), "ue8m0")
+    xe, ids, w4, s4 = _fp4_case(1, 2, 3, 24, 64)
+    xe, ids = xe[:0], ids[:0]
+    for fp8 in (ops.fp8_block_linear, triton_quant.fp8_block_linear):
+        assert fp8(x, weight, scale, 32, 32, rule).shape == (0, 40)
+    for fp4 in (ops.fp4_expert_linear, triton_quant.fp4_expert_linear):
+        assert fp4(xe, ids, w4, s4, rule).shape == (0, 2, 24)
