@@ -21,6 +21,10 @@ Backends:
   no host sync, so they capture like the rest.
 * Triton for `hc_sinkhorn` (`triton_mhc`): one launch for the whole Sinkhorn loop, equal
   to the reference to float32 rounding.
+* Triton for the quantized linears of `quant_ops` (`triton_quant`): `fp8_block_linear`
+  and `fp4_expert_linear` decode the checkpoint's FP8 and packed FP4 weights tile by tile
+  in registers (never to a float32 copy) and agree with the references to float32
+  accumulation order; the expert op groups rows by expert on the device, so it captures.
 * The reference for `set_seq_len`: one `index_put_`, which captures as it is.
 
 FlashInfer is not called, on any device. The caches hold its pinned 0.7.4 release's V4.1
@@ -38,7 +42,14 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.runtime.ops import triton_indexer, triton_mhc, triton_rows, triton_sparse, triton_window
+from b12x_toolchain.runtime.ops import (
+    triton_indexer,
+    triton_mhc,
+    triton_quant,
+    triton_rows,
+    triton_sparse,
+    triton_window,
+)
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION
 
 KERNELS = {
@@ -57,6 +68,8 @@ KERNELS = {
     "candidate_blocks": triton_indexer.candidate_blocks,
     "sparse_attention": triton_sparse.sparse_attention,
     "hc_sinkhorn": triton_mhc.hc_sinkhorn,
+    "fp8_block_linear": triton_quant.fp8_block_linear,
+    "fp4_expert_linear": triton_quant.fp4_expert_linear,
 }
 REFERENCE_ON_CUDA = ("set_seq_len",)  # capturable as written; see the module docstring
 

@@ -178,6 +178,7 @@ def _(values, fmt):
 
 
 from b12x_toolchain.runtime.ops.mhc_ops import MHC_OPS  # noqa: E402  (registers the mHC op)
+from b12x_toolchain.runtime.ops.quant_ops import QUANT_OPS  # noqa: E402  (registers the quantized linears)
 from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers the sparse ops)
 
 ops = getattr(torch.ops, NAMESPACE)
@@ -188,7 +189,7 @@ OPS = {
     name: getattr(ops, name).default
     for name in ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
                  "window_commit", "write_rows", "write_slots", "gather_rows", "stage_rows", "read_rows",
-                 "round_trip", "set_seq_len") + SPARSE_OPS + MHC_OPS
+                 "round_trip", "set_seq_len") + SPARSE_OPS + MHC_OPS + QUANT_OPS
 }
 """Every op of the op set by name; a graph using anything else in the namespace is refused."""
 

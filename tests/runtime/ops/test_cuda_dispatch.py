@@ -19,7 +19,7 @@ from paths import ROOT
 
 OPS = ("window_snapshot", "cache_append", "window_snapshot_append", "window_read", "window_commit",
        "write_rows", "write_slots", "gather_rows", "stage_rows", "read_rows", "round_trip", "set_seq_len",
-       "indexer_topk", "candidate_blocks", "sparse_attention", "hc_sinkhorn")
+       "indexer_topk", "candidate_blocks", "sparse_attention", "hc_sinkhorn", "fp8_block_linear", "fp4_expert_linear")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
