@@ -46,8 +46,8 @@ tests/exporter/hf/test_release_checkpoint.py on the CPU):
 - Names it expects are exactly the release's: `<module>.scale` is renamed to
   `<module>.weight_scale_inv` before the model's own renames; per-expert `ffn.experts.{j}.w1/w3`
   and `w2` are decoded first and then merged into `gate_up_proj` / `down_proj`. The MTP
-  stage (`mtp.*`) is ignored. State-dict names with `<module>.weight_scale_inv` load as
-  well, and keep `attn_hc.scale` a weight.
+  stage (`mtp.*`) is ignored. State-dict names with `<module>.weight_scale_inv` scales
+  (routed experts still one tensor each) load as well; `attn_hc.scale` stays a weight.
 - The decode is exact in float32: FP8 `weight.float() * scale` per block, FP4 a 16-entry
   table times 2^(byte-127); UE8M0 may be `float8_e8m0fnu` or uint8. The block is inferred
   from the grid (`rows // grid_rows`), not from `weight_block_size`: a dimension that is not

@@ -241,8 +241,11 @@ def test_reads_every_weight_as_stored(instruct, expected, dims):
     assert ckpt.quantization.block == (128, 128) and ckpt.quantization.scale_encoding == "ue8m0"
     assert ckpt.quantization.expert_dtype == "fp4" and ckpt.quantization.activation_scheme == "dynamic"
     assert set(ckpt.weights) | set(ckpt.experts) == set(expected)
+    natives = [*ckpt.weights.values(), *(p for held in ckpt.experts.values() for p in held.values())]
+    # The bytes read are the checkpoint's, no more: nothing decoded or widened on the way.
+    assert sum(native.nbytes for native in natives) == sum(t.nbytes for t in tensors.values())
     pieces = 0
-    for native in [*ckpt.weights.values(), *(p for held in ckpt.experts.values() for p in held.values())]:
+    for native in natives:
         stored = tensors[native.stored]
         assert native.data.dtype == stored.dtype and torch.equal(native.data.view(torch.uint8),
                                                                  stored.view(torch.uint8)), native.stored
