@@ -77,6 +77,13 @@ class Target:
     expert: int | None = None
     part: int = 0  # within gate_up_proj: 0 the gate rows (w1), 1 the up rows (w3)
 
+    def describe(self) -> str:
+        """The weight, or the routed expert's rows of it, in words for an error message."""
+        if self.expert is None:
+            return self.name
+        which = "down" if self.name.endswith("down_proj") else ("gate", "up")[self.part]
+        return f"routed expert {self.expert}'s {which} rows of {self.name}"
+
 
 def target_of(stored: str) -> Target:
     """The b12x weight a checkpoint tensor holds; an unknown name maps to itself."""
