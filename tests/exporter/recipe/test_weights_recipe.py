@@ -65,6 +65,8 @@ def test_the_v41_scheme_gives_each_tensor_its_stored_form():
     assert recipe.normalized()["weights"]["routed_experts"] == {"format": "fp4_e2m1", "block": [1, 32], "scale": "ue8m0"}
     assert recipe.normalized()["weights"]["norms"] == {"format": "fp32", "block": None, "scale": None}
     assert recipe.sha256() != load_recipe("dsv41-tiny").sha256()
+    # The normalised form reads back as the same recipe (a manifest holds it).
+    assert parse_recipe(json.dumps(recipe.normalized()), "n.yaml").sha256() == recipe.sha256()
     d = Dims.from_recipe(recipe)
     specs = weight_specs(d)
     q = "model.layers.0.self_attn.q_a_proj.weight"  # [q_lora 64, hidden 128]
