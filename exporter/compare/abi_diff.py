@@ -17,6 +17,22 @@ from __future__ import annotations
 PASS_DATA = ("width", "advances", "reads_staging_of")
 
 
+def _format(entry: dict | None) -> str:
+    """A weights.formats entry as `fp8_e4m3 32x32 ue8m0`; no entry is fp32."""
+    if entry is None:
+        return "fp32"
+    block = entry.get("block")
+    parts = [entry.get("kind"), None if block is None else "x".join(map(str, block)), entry.get("scale_encoding")]
+    return " ".join(str(p) for p in parts if p is not None)
+
+
+def diff_weight_formats(a: dict, b: dict) -> list[str]:
+    """One line per weight whose storage format changed, from the manifests' `weights` entries."""
+    formats_a, formats_b = ((m.get("weights") or {}).get("formats") or {} for m in (a, b))
+    return [f"weight {name}: format {_format(formats_a.get(name))} -> {_format(formats_b.get(name))}"
+            for name in sorted(set(formats_a) | set(formats_b)) if formats_a.get(name) != formats_b.get(name)]
+
+
 def _shape(spec: dict) -> str:
     return "[" + ", ".join(str(d) for d in spec["shape"]) + "]"
 
@@ -104,4 +120,4 @@ def diff_manifests(a: dict, b: dict) -> list[str]:
         if name in passes_b:
             for side in ("inputs", "outputs"):
                 lines += diff_buffers(f"{name} {side[:-1]}", passes_a[name][side], passes_b[name][side])
-    return lines + diff_data(a, b)
+    return lines + diff_data(a, b) + diff_weight_formats(a, b)

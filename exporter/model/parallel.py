@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from b12x_toolchain.exporter.model.weights import Spec, weight_specs
+from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, Spec, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.parallel.mapping import Split
 
@@ -51,12 +51,14 @@ def check_rank(d: Dims, rank: int) -> None:
 
 
 def split_of(name: str, d: Dims) -> Split | None:
-    """How `name` is split across d's ranks (None: every rank holds all of it)."""
+    """How `name` is split across d's ranks (None: every rank holds all of it). A block-scaled
+    weight's scale is split as its data, along the same axis (the recipe keeps the cut on block
+    boundaries: weight_layout.py)."""
     for suffix, axis in TENSOR_SPLITS.items():
-        if name.endswith(suffix):
+        if name.endswith((suffix, suffix + SCALE_SUFFIX)):
             return Split(axis, d.tensor) if d.tensor > 1 else None
     for suffix, axis in EXPERT_SPLITS.items():
-        if name.endswith(suffix):
+        if name.endswith((suffix, suffix + SCALE_SUFFIX)):
             if d.expert > 1:
                 return Split(0, d.expert)
             return Split(axis, d.tensor, suffix in HALVES) if d.tensor > 1 else None
@@ -84,7 +86,8 @@ def rank_weights(weights: dict[str, torch.Tensor], d: Dims, rank: int) -> dict[s
 
 
 def weight_bytes(d: Dims) -> dict:
-    """Bytes per rank: of the split tensors, of the replicated ones (listed), and the ideal split."""
+    """Bytes per rank: of the split tensors, of the replicated ones (listed), and the ideal split.
+    Stored bytes, so they follow the weights' formats: a block-scaled weight is its data and its scales."""
     split_bytes = replicated_bytes = 0
     replicated = []
     for name, (shape, dtype) in weight_specs(d).items():

@@ -7,6 +7,13 @@ projections (`e_proj`, `h_proj`, `enorm`, `hnorm`), `hc_head` and `norm`; V4.1's
 stages share `dspark.*`: the projection of the target's hidden states, the head, the
 Markov bias and the confidence head. V4.1 layers own compressor weights only where their
 CSA2 role owns caches (Full), and indexer queries where they rank (Full, Reindex).
+
+Each weight is stored in the format the recipe gives its role (weight_roles.py; fp32
+without a `weights` section). A block-scaled weight is two tensors: its data under the
+weight's own name (float8_e4m3fn [.., out, in], or fp4 packed in int8 [.., out, in / 2])
+and its scale under the name plus `_scale` (`...q_a_proj.weight_scale`,
+`...experts.gate_up_proj_scale`; transformers calls it `weight_scale_inv`, DeepSeek's
+release `<module>.scale`; either way the value multiplies the data).
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ import math
 
 import torch
 
+from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.package.weight_format import WeightFormat
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype)
+SCALE_SUFFIX = "_scale"
 
 
 def _hc(d: Dims, prefix: str) -> dict[str, Spec]:
@@ -101,8 +111,8 @@ def _head(d: Dims, prefix: str) -> dict[str, Spec]:
             prefix + "norm.weight": ((D,), "float32")}
 
 
-def weight_specs(d: Dims) -> dict[str, Spec]:
-    """Every weight of the model, target and MTP stages, sorted by name."""
+def logical_specs(d: Dims) -> dict[str, Spec]:
+    """Every weight of the model, target and draft stages, as its logical float32 (or int64) tensor."""
     D = d.hidden
     specs = {"model.embed_tokens.weight": ((d.vocab, D), "float32"), "lm_head.weight": ((d.vocab, D), "float32")}
     specs.update(_head(d, "model."))
@@ -117,7 +127,33 @@ def weight_specs(d: Dims) -> dict[str, Spec]:
         specs.update(_layer(d, p, None, d.moe if d.v4 else d.draft_moe, hash_routed=False))
     if not d.v4:
         specs.update(_dspark(d))
-    return dict(sorted(specs.items()))
+    return specs
+
+
+def weight_formats(d: Dims) -> dict[str, WeightFormat]:
+    """The format of every weight whose role the recipe gives another format than fp32."""
+    out = {}
+    for name in logical_specs(d):
+        fmt = d.role_format(role_of(name))
+        if fmt.kind != "fp32":
+            out[name] = fmt
+    return out
+
+
+def weight_specs(d: Dims) -> dict[str, Spec]:
+    """Every tensor the weights are stored as, sorted by name: a weight in its format, and the
+    scale of a block-scaled one (see the module's docstring)."""
+    specs, formats = logical_specs(d), weight_formats(d)
+    out = {}
+    for name, (shape, dtype) in specs.items():
+        fmt = formats.get(name)
+        if fmt is None:
+            out[name] = (shape, dtype)
+            continue
+        out[name] = (fmt.data_shape(shape), fmt.data_dtype)
+        if fmt.quantized:
+            out[name + SCALE_SUFFIX] = (fmt.scale_shape(shape), fmt.scale_dtype)
+    return dict(sorted(out.items()))
 
 
 def _dspark(d: Dims) -> dict[str, Spec]:
@@ -135,10 +171,17 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
 
     Unlike the `transformers` init (zero sinks and position biases, identity-like mHC),
     every tensor is non-trivial, so a test comparing against the reference exercises it.
+    Drawn as float32 in name order; a bf16 weight is rounded from its draw. Block-scaled
+    formats have no encoder here yet, so they are refused by role.
     """
+    formats = weight_formats(d)
+    quantized = sorted({role_of(n) for n, f in formats.items() if f.quantized})
+    if quantized:
+        raise ValueError(f"random weights in block-scaled formats are not drawn yet (roles: {', '.join(quantized)}); "
+                         "give a checkpoint, or fp32/bf16 formats")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = {}
-    for name, (shape, dtype) in weight_specs(d).items():
+    for name, (shape, dtype) in sorted(logical_specs(d).items()):
         if dtype == "int64":  # hash routing table: distinct experts per token
             ranks = torch.rand((shape[0], d.moe.experts), generator=gen).argsort(dim=-1)
             tensor = ranks[:, : shape[1]].contiguous()
@@ -152,6 +195,8 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
             tensor = torch.randn(shape, generator=gen)
         else:
             tensor = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+        if name in formats:
+            tensor = tensor.to(getattr(torch, formats[name].data_dtype))
         out[name] = tensor.to(device)
     return out
 

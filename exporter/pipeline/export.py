@@ -12,7 +12,8 @@ import torch
 import b12x_toolchain
 from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
 from b12x_toolchain.exporter.model.pass_modules import PASSES
-from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.model.weight_roles import role_of
+from b12x_toolchain.exporter.model.weights import init_weights, weight_formats
 from b12x_toolchain.exporter.pipeline.package_writer import weights_bytes, write_package
 from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, pass_label, run_jobs
 from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
@@ -92,6 +93,16 @@ def buffer_table(conventions: list[list]) -> dict[str, BufferInfo]:
     return {name: table[name] for name in sorted(table)}
 
 
+def check_computable_formats(d: Dims) -> None:
+    """The model computes in float32 only until the op set has linears over stored formats:
+    refuse, by role, a recipe whose `weights` section gives a role another format."""
+    formats = weight_formats(d)
+    if formats:
+        roles = sorted({f"weights.{role_of(n)}: {f.describe()}" for n, f in formats.items()})
+        raise ExportError(f"the model does not compute with weights stored in other formats than fp32 yet "
+                          f"({'; '.join(roles)}); leave the recipe's weights section out to export in fp32")
+
+
 def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | None = None,
                    on_pass: Callable[[str, list[PassResult]], None] | None = None, *,
                    structural: bool = False, checksums: dict[str, str] | None = None,
@@ -108,6 +119,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
     `weights` came from, recorded in the manifest (e.g. the checkpoint they were read from).
     """
     d = Dims.from_recipe(recipe)
+    check_computable_formats(d)
     if structural and weights is not None:
         raise ExportError("a structural export takes no weights")
     if weights_source is not None and weights is None:
@@ -147,7 +159,8 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         for rank in ranks.ranks:
             files[ranks.weights_file(rank)] = weights_bytes(shards[rank])
         # A parallel package's weights are per rank: parallel.ranks[r].weights.
-        weights_entry = Weights(source, None if ranks.parallel else ranks.weights_file(None))
+        weights_entry = Weights(source, None if ranks.parallel else ranks.weights_file(None),
+                                formats=weight_formats(d), activation=d.activation)
     model = ModelFacts(
         recipe.model.family, d.vocab, d.max_seq_len, d.noise_token_id, d.confidence_threshold,
         # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.
@@ -155,7 +168,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
     manifest = Manifest(
         format_version=ranks.format_version, opset_version=OPSET_VERSION, name=recipe.name,
         recipe=recipe.normalized(), recipe_sha256=recipe.sha256(), model=model, passes=passes, buffers=buffers,
-        cache_formats=cache_formats, abi_fingerprint=abi_fingerprint(passes, buffers, cache_formats),
+        cache_formats=cache_formats, abi_fingerprint=abi_fingerprint(passes, buffers, cache_formats, weights_entry),
         rewrites=Rewrites(tuple(pipeline), results), weights=weights_entry, versions=tool_versions(),
         parallel=ranks.mapping(outputs, recipe.pass_names, structural) if ranks.parallel else None)
     path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from b12x_toolchain.exporter.model.parallel import rank_weight_specs
-from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.exporter.model.weights import weight_formats, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.manifest import Weights, WeightTensor
 
@@ -33,4 +33,5 @@ def external_weights(d: Dims, checksums: dict[str, str] | None = None) -> Weight
     checksums = checksums or {}
     tensors = {name: WeightTensor(dtype, tuple(shape), checksums.get(name))
                for name, (shape, dtype) in weight_specs(d).items()}
-    return Weights("external: bound from a checkpoint at load time", external=True, tensors=tensors)
+    return Weights("external: bound from a checkpoint at load time", external=True, tensors=tensors,
+                   formats=weight_formats(d), activation=d.activation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from b12x_toolchain.runtime.formats.codecs import get_format
+from b12x_toolchain.runtime.package.weight_format import FP32, WeightFormat
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ class Dims:
     # The parallel mapping (exporter/recipe/parallel.py); 1, 1 on one device.
     tensor: int = 1
     expert: int = 1
+    # The recipe's `weights` section: role -> format of the roles not in fp32, and the activation rule.
+    role_formats: tuple[tuple[str, WeightFormat], ...] = ()
+    activation: str = "none"
+
+    def role_format(self, role: str | None) -> WeightFormat:
+        """The format of a weight role (None: a weight whose format is fixed, fp32 or int64)."""
+        return dict(self.role_formats).get(role, FP32)
 
     @classmethod
     def from_recipe(cls, recipe) -> "Dims":
@@ -101,6 +109,10 @@ class Dims:
         )
         if recipe.parallel is not None:
             common.update(tensor=recipe.parallel.tensor, expert=recipe.parallel.expert)
+        if recipe.weights is not None:
+            formats = recipe.weights.formats()
+            common.update(role_formats=tuple((r, f) for r, f in formats.items() if f != FP32),
+                          activation=recipe.weights.activation)
         if m.family == "deepseek_v4":
             return cls(**common, csa_ratio=m.csa_ratio, hca_ratio=m.hca_ratio)
         roles, kv_source, index_source = _csa2_roles(m.target_ratios, m.csa2)

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BeforeValidator, Field, Strict, ValidationError, model_validator
 
+from b12x_toolchain.exporter.model.weight_layout import check_weight_layout
 from b12x_toolchain.exporter.recipe.field_types import (
     Buckets,
     NonNegInt,
@@ -32,6 +33,7 @@ from b12x_toolchain.exporter.recipe.field_types import (
 )
 from b12x_toolchain.exporter.recipe.parallel import ParallelSpec
 from b12x_toolchain.exporter.recipe.schema import V4ModelSpec, V41ModelSpec
+from b12x_toolchain.exporter.recipe.weights import WeightsSpec
 from b12x_toolchain.exporter.recipe.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
 from b12x_toolchain.runtime.formats.codecs import renamed
 from b12x_toolchain.runtime.ops.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
@@ -162,6 +164,7 @@ class Recipe(_Spec):
     passes: Passes
     rewrites: tuple[RewriteSpec, ...] = ()
     parallel: ParallelSpec | None = None  # None: one device
+    weights: WeightsSpec | None = None  # None: every weight fp32
 
     @property
     def pass_names(self) -> tuple[str, ...]:
@@ -181,6 +184,8 @@ class Recipe(_Spec):
         self._check_pages()
         if self.parallel is not None:
             self.parallel.check(self.model)
+        if self.weights is not None:
+            check_weight_layout(self)
         for i, rewrite in enumerate(self.rewrites):
             if any(r.name == rewrite.name for r in self.rewrites[:i]):
                 raise _problem(f"rewrite {rewrite.name!r} is listed twice", ("rewrites", i, "name"))
@@ -238,8 +243,9 @@ class Recipe(_Spec):
         for name in OPTIONAL_PASSES:
             if data["passes"].get(name) is None:
                 data["passes"].pop(name, None)
-        if data.get("parallel") is None:  # likewise a recipe for one device
-            data.pop("parallel", None)
+        for section in ("parallel", "weights"):  # likewise a recipe for one device, or all in fp32
+            if data.get(section) is None:
+                data.pop(section, None)
         return _sort_keys(data)
 
     def sha256(self) -> str:

@@ -7,8 +7,8 @@ which the manifest records apart from the calling convention (the `buffers` tabl
 each pass's `row_inputs`), so the convention's JSON keeps exactly its four keys.
 
 The ABI fingerprint hashes the calling conventions of all passes together with that
-data and each pass's width, advancing input and staging source: everything a server
-binds and drives a pass by. It moves exactly when those move, never with the rewrite
+data, each pass's width, advancing input and staging source, and the weights' storage
+formats: everything a server binds and drives a pass by. It moves exactly when those move, never with the rewrite
 pipeline.
 """
 
@@ -32,6 +32,10 @@ DTYPES = {
     "int64": torch.int64,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    # Weights in their storage formats (weight_format.py): E4M3 data, packed E2M1, UE8M0 scales.
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -80,11 +84,16 @@ class BufferSpec:
 PASS_CONTRACT = ("inputs", "outputs", "width", "advances", "reads_staging_of", "row_inputs")
 
 
-def contract(passes: dict, buffers, cache_formats=None) -> dict:
+def contract(passes: dict, buffers, cache_formats=None, weight_formats=None) -> dict:
     """The fingerprinted part of a manifest, from its `passes`, `buffers` and `cache_formats`
-    entries: whose bytes the caches hold binds an engine as much as their shapes do."""
-    return {"buffers": buffers, "cache_formats": cache_formats,
-            "passes": {n: {k: e.get(k) for k in PASS_CONTRACT} if isinstance(e, dict) else e for n, e in passes.items()}}
+    entries: whose bytes the caches hold binds an engine as much as their shapes do. So do the
+    weights' storage formats (`weights.formats`), taken in only when some weight is not fp32,
+    so an all-fp32 package keeps the fingerprint it had before formats existed."""
+    out = {"buffers": buffers, "cache_formats": cache_formats,
+           "passes": {n: {k: e.get(k) for k in PASS_CONTRACT} if isinstance(e, dict) else e for n, e in passes.items()}}
+    if weight_formats:
+        out["weight_formats"] = weight_formats
+    return out
 
 
 def fingerprint(contract: dict) -> str:

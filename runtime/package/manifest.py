@@ -29,6 +29,7 @@ from b12x_toolchain.runtime.package.manifest_sections import (  # noqa: F401
     Rewrites,
     Weights,
     WeightTensor,  # (re-exported: the sections)
+    check_weight_formats,
     expect,
     expect_keys,
     is_count,
@@ -60,10 +61,12 @@ def digest(data: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def abi_fingerprint(passes: dict[str, PassEntry], buffers: dict[str, BufferInfo], cache_formats: dict) -> str:
+def abi_fingerprint(passes: dict[str, PassEntry], buffers: dict[str, BufferInfo], cache_formats: dict,
+                    weights: Weights | None = None) -> str:
     """The ABI fingerprint of typed conventions (abi.py): what the writer records."""
+    formats = None if weights is None else weights.to_json().get("formats")
     return fingerprint(contract({n: p.to_json() for n, p in passes.items()},
-                                {n: b.to_json() for n, b in buffers.items()}, cache_formats))
+                                {n: b.to_json() for n, b in buffers.items()}, cache_formats, formats))
 
 
 # -- the manifest ---------------------------------------------------------------------------
@@ -142,6 +145,8 @@ class Manifest:
             raise PackageError(f"{WHERE}: 'files' is missing or empty")
         model, rewrites = ModelFacts.from_json(data.get("model")), Rewrites.from_json(data.get("rewrites"))
         weights = Weights.from_json(data.get("weights"))
+        check_weight_formats(weights.formats, {s.name: s.dtype for p in passes.values() for s in p.inputs
+                                               if s.role == "weight"})
         expect_keys(data, "top level", FIELDS, OPTIONAL)  # only unknown fields are left to find
         return cls(data["format_version"], data["opset_version"], data["name"], data["recipe"],
                        data["recipe_sha256"], model, passes, buffers, dict(data["cache_formats"]),
@@ -190,7 +195,9 @@ def _check_fingerprint(data: dict) -> dict:
     passes_json = data.get("passes")
     if not isinstance(passes_json, dict) or not passes_json:
         raise PackageError(f"{WHERE}: 'passes' is missing or empty")
-    if fingerprint(contract(passes_json, data.get("buffers"), data.get("cache_formats"))) \
+    weights = data.get("weights")
+    formats = weights.get("formats") if isinstance(weights, dict) else None
+    if fingerprint(contract(passes_json, data.get("buffers"), data.get("cache_formats"), formats)) \
             != data.get("abi_fingerprint"):
         raise PackageError(f"{WHERE}: abi_fingerprint does not match the calling conventions")
     return passes_json

@@ -5,13 +5,16 @@ results and where the weights come from, each with its `to_json` and strict `fro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.package.weight_format import WeightFormat
 
 WHERE = "manifest.json"
 MODEL_FIELDS = ("family", "vocab_size", "max_seq_len", "noise_token_id", "confidence_threshold")
 REWRITE_FIELDS = ("matches", "nodes_before", "nodes_after")
+ACTIVATION_RULES = ("none", "deepseek")
 
 
 def is_count(value) -> bool:
@@ -131,18 +134,30 @@ class WeightTensor:
 @dataclass(frozen=True)
 class Weights:
     """Where the weights come from: a file of the package (`file`; None in a parallel package,
-    whose ranks name theirs) or, `external`, a checkpoint holding `tensors`."""
+    whose ranks name theirs) or, `external`, a checkpoint holding `tensors`.
+
+    `formats`: the storage format (weight_format.py) of every weight not in fp32, by the
+    weight's name; its scale tensor is the name plus `_scale`. `activation`: how the quantized
+    linears treat their inputs, `none` or `deepseek` (E4M3 per token per 128 channels first).
+    Both are written only when some weight is not fp32, so an all-fp32 package reads and
+    hashes as before they existed."""
 
     source: str
     file: str | None = None
     external: bool = False
     tensors: dict[str, WeightTensor] | None = None
+    formats: dict[str, WeightFormat] = dataclasses.field(default_factory=dict)
+    activation: str = "none"
 
     def to_json(self) -> dict:
         if self.external:
-            return {"external": True, "source": self.source,
-                    "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
-        return {"file": self.file, "source": self.source}
+            out = {"external": True, "source": self.source,
+                   "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
+        else:
+            out = {"file": self.file, "source": self.source}
+        if self.formats:
+            out.update(formats={n: f.to_json() for n, f in sorted(self.formats.items())}, activation=self.activation)
+        return out
 
     @classmethod
     def from_json(cls, data) -> "Weights":
@@ -151,16 +166,49 @@ class Weights:
         external = data.get("external", False)
         expect(isinstance(external, bool), "weights.external", external, "a boolean")
         expect(isinstance(data.get("source"), str), "weights.source", data.get("source"), "a string")
+        formats, activation = _formats(data)
         if not external:
-            expect_keys(data, "weights", ("file", "source"), ("external",))
+            expect_keys(data, "weights", ("file", "source"), ("external", "formats", "activation"))
             expect(data["file"] is None or isinstance(data["file"], str), "weights.file", data["file"],
                     "a file name or null")
-            return cls(data["source"], data["file"])
-        expect_keys(data, "weights", ("external", "source"), ("tensors",))
+            return cls(data["source"], data["file"], formats=formats, activation=activation)
+        expect_keys(data, "weights", ("external", "source"), ("tensors", "formats", "activation"))
         tensors = data.get("tensors")
         if not isinstance(tensors, dict):
             raise PackageError(f"{WHERE}: weights are external but 'weights.tensors' is missing")
-        return cls(data["source"], None, True, {n: _weight_tensor(n, t) for n, t in tensors.items()})
+        return cls(data["source"], None, True, {n: _weight_tensor(n, t) for n, t in tensors.items()}, formats,
+                   activation)
+
+
+def check_weight_formats(formats: dict[str, WeightFormat], weight_dtypes: dict[str, str]) -> None:
+    """Each listed weight is a weight input in its format's dtype, a block-scaled one with its scale."""
+    for name, fmt in sorted(formats.items()):
+        stored = {name: fmt.data_dtype, **({name + "_scale": fmt.scale_dtype} if fmt.quantized else {})}
+        for tensor, dtype in stored.items():
+            if weight_dtypes.get(tensor) != dtype:
+                found = "no weight input" if tensor not in weight_dtypes else f"a {weight_dtypes[tensor]} input"
+                raise PackageError(f"{WHERE}: weights.formats.{name} is {fmt.describe()}, stored as {dtype} {tensor}; "
+                                   f"the passes have {found}")
+
+
+def _formats(data: dict) -> tuple[dict[str, WeightFormat], str]:
+    """weights.formats and weights.activation: both or neither, fp32 never listed (the default)."""
+    if "formats" not in data and "activation" not in data:
+        return {}, "none"
+    if ("formats" in data) != ("activation" in data):
+        raise PackageError(f"{WHERE}: weights: 'formats' and 'activation' are written together; one is missing")
+    formats, activation = data["formats"], data["activation"]
+    expect(isinstance(formats, dict) and formats, "weights.formats", formats, "an object of weight -> format")
+    expect(activation in ACTIVATION_RULES, "weights.activation", activation, f"one of {', '.join(ACTIVATION_RULES)}")
+    typed = {}
+    for name, entry in formats.items():
+        try:
+            typed[name] = WeightFormat.from_json(entry, f"weights.formats.{name}")
+        except ValueError as exc:
+            raise PackageError(f"{WHERE}: {exc}") from None
+        expect(typed[name].kind != "fp32", f"weights.formats.{name}", entry, "another format than fp32 (the default, "
+               "never listed)")
+    return typed, activation
 
 
 def _weight_tensor(name: str, data) -> WeightTensor:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from b12x_toolchain.exporter.model.pass_modules import PASSES
+from b12x_toolchain.exporter.model.weights import weight_formats
 from b12x_toolchain.exporter.pipeline.export import buffer_table, pass_entry
 from b12x_toolchain.exporter.pipeline.rank_files import SINGLE_DEVICE_FORMAT
 from b12x_toolchain.exporter.recipe.dims import Dims
@@ -32,17 +33,19 @@ def contract_manifest(recipe) -> dict:
         conventions.append(inputs)
     buffers = buffer_table(conventions)
     formats = cache_formats_entry(buffers)
+    weights = Weights("placeholder", "weights.safetensors", formats=weight_formats(d), activation=d.activation)
     manifest = Manifest(SINGLE_DEVICE_FORMAT, OPSET_VERSION, recipe.name, recipe.normalized(), recipe.sha256(),
                         ModelFacts(recipe.model.family, d.vocab, d.max_seq_len, d.noise_token_id, 0.0), passes,
-                        buffers, formats, abi_fingerprint(passes, buffers, formats), Rewrites((), {}),
-                        Weights("placeholder", "weights.safetensors"), {"b12x": "test"})
+                        buffers, formats, abi_fingerprint(passes, buffers, formats, weights), Rewrites((), {}),
+                        weights, {"b12x": "test"})
     return manifest.signed({p.graph: "0" * 64 for p in passes.values()}).to_json()
 
 
 def refingerprint(manifest: dict) -> dict:
     """Sign the calling conventions and the document again, as a tamperer or a buggy exporter would."""
     manifest["abi_fingerprint"] = fingerprint(contract(manifest["passes"], manifest.get("buffers"),
-                                                       manifest.get("cache_formats")))
+                                                       manifest.get("cache_formats"),
+                                                       manifest.get("weights", {}).get("formats")))
     manifest["manifest_sha256"] = digest(manifest)
     return manifest
 

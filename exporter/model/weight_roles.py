@@ -1,0 +1,72 @@
+"""Weight roles: the groups of weights a recipe's `weights` section gives one format each.
+
+A weight's role is found from the end of its name (exporter/model/weights.py's names),
+the first matching row of ROLE_SUFFIXES. The release column is what DeepSeek's V4 / V4.1
+Instruct checkpoints hold.
+
+| role            | b12x weights (end of name)                                        | formats               | release               |
+|-----------------|-------------------------------------------------------------------|-----------------------|-----------------------|
+| attention       | self_attn.{q_a_proj, q_b_proj, kv_proj, o_a_proj, o_b_proj}.weight | fp32 bf16 fp8         | fp8 (V4 128, V4.1 32) |
+| indexer_query   | compressor.indexer.q_b_proj.weight                                | fp32 bf16 fp8         | fp8                   |
+| shared_experts  | mlp.shared_experts.{gate_proj, up_proj, down_proj}.weight         | fp32 bf16 fp8         | fp8                   |
+| routed_experts  | mlp.experts.{gate_up_proj, down_proj}                             | fp32 bf16 fp8 fp4     | fp4 1x32 ue8m0        |
+| draft_input     | mtp.N.{e_proj, h_proj}.weight, dspark.main_proj.weight            | fp32 bf16 fp8         | fp8                   |
+| head            | lm_head.weight                                                    | fp32 bf16             | bf16                  |
+| embeddings      | model.embed_tokens.weight                                         | fp32 bf16             | bf16                  |
+| compressor      | compressor.{kv_proj, gate_proj}.weight, compressor.indexer.{kv_proj, gate_proj, k_proj}.weight, indexer.scorer.weights_proj.weight | fp32 bf16 | bf16 |
+| router          | mlp.gate.weight                                                   | fp32 bf16             | bf16                  |
+| norms           | *norm.weight                                                      | fp32 bf16             | bf16                  |
+| draft_heads     | dspark.markov.{embed, out.weight}, dspark.confidence.weight       | fp32 bf16             | (unpublished)         |
+
+Everything else stays as it is: sinks, the mHC mixers (`*_hc.*`, `hc_head.*`), the
+compressors' position bias, the router's bias and DSpark's confidence bias in fp32 (as the
+release keeps them), the hash-routing table `gate.tid2eid` in int64.
+"""
+
+from __future__ import annotations
+
+PLAIN = ("fp32", "bf16")
+LINEAR = (*PLAIN, "fp8_e4m3")
+ROLE_KINDS = {
+    "attention": LINEAR,
+    "indexer_query": LINEAR,
+    "shared_experts": LINEAR,
+    "routed_experts": (*LINEAR, "fp4_e2m1"),
+    "draft_input": LINEAR,
+    "head": PLAIN,
+    "embeddings": PLAIN,
+    "compressor": PLAIN,
+    "router": PLAIN,
+    "norms": PLAIN,
+    "draft_heads": PLAIN,
+}
+ROLES = tuple(ROLE_KINDS)
+
+ROLE_SUFFIXES = (
+    *((f"self_attn.{p}.weight", "attention") for p in ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj")),
+    ("compressor.indexer.q_b_proj.weight", "indexer_query"),
+    *((f"mlp.shared_experts.{p}.weight", "shared_experts") for p in ("gate_proj", "up_proj", "down_proj")),
+    ("mlp.experts.gate_up_proj", "routed_experts"),
+    ("mlp.experts.down_proj", "routed_experts"),
+    (".e_proj.weight", "draft_input"),
+    (".h_proj.weight", "draft_input"),
+    ("dspark.main_proj.weight", "draft_input"),
+    ("lm_head.weight", "head"),
+    ("model.embed_tokens.weight", "embeddings"),
+    ("compressor.kv_proj.weight", "compressor"),
+    ("compressor.gate_proj.weight", "compressor"),
+    ("compressor.indexer.kv_proj.weight", "compressor"),
+    ("compressor.indexer.gate_proj.weight", "compressor"),
+    ("compressor.indexer.k_proj.weight", "compressor"),
+    ("indexer.scorer.weights_proj.weight", "compressor"),
+    ("mlp.gate.weight", "router"),
+    ("norm.weight", "norms"),
+    ("dspark.markov.embed", "draft_heads"),
+    ("dspark.markov.out.weight", "draft_heads"),
+    ("dspark.confidence.weight", "draft_heads"),
+)
+
+
+def role_of(name: str) -> str | None:
+    """The role of weight `name`, or None for a weight whose format is fixed."""
+    return next((role for suffix, role in ROLE_SUFFIXES if name.endswith(suffix)), None)
