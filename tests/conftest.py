@@ -29,7 +29,7 @@ from b12x_toolchain.runtime import load
 # shared one, or one its module exports itself) or a child process (torch's import alone
 # takes seconds). `make test-fast` leaves out what carries the `exports` marker.
 EXPORT_FIXTURES = {"small_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
-                   "small_parallel_path"}
+                   "small_parallel_path", "fp32_path"}
 COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(", "on_ranks(")  # on_ranks: a process per rank
 
 
@@ -147,6 +147,20 @@ def unfused_path(tiny_recipe, run_dir):
 @pytest.fixture(scope="session")
 def fused_pkg(fused_path):
     return load(fused_path)
+
+
+@pytest.fixture(scope="session")
+def fp32_recipe(tiny_recipe):
+    """The tiny recipe with float32 caches: logits compare with references to 1e-5."""
+    from decode_steps import FP32_CACHES
+
+    return recipe_variant(tiny_recipe, FP32_CACHES, name="dsv41-tiny-fp32")
+
+
+@pytest.fixture(scope="session")
+def fp32_path(fp32_recipe, run_dir):
+    """fp32_recipe exported with its own weights (those of `init_weights` at the recipe's seed)."""
+    return once_per_run(run_dir, "fp32", lambda out: export_package(fp32_recipe, out).path)
 
 
 @pytest.fixture(scope="session")

@@ -19,9 +19,10 @@ import paging
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 from conftest import random_tokens, recipe_variant
-from decode_steps import FP32_CACHES, exported, incremental, relative_rms
+from decode_steps import FP32_CACHES, incremental, relative_rms
 
 pytestmark = pytest.mark.slow(minutes=2)  # the module's time on two busy cores: longest runs first
 
@@ -62,8 +63,8 @@ def expected(tiny_recipe, weights, sequences):
 
 
 @pytest.fixture(scope="module")
-def fp32_pkg(tiny_recipe, weights, tmp_path_factory):
-    return exported(tiny_recipe, weights, tmp_path_factory, FP32_CACHES, name="dsv41-tiny-fp32")
+def fp32_pkg(fp32_path):
+    return load(fp32_path)  # exported with the recipe's own weights, as `weights` are
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens, recipe_variant
-from decode_steps import FP32_CACHES, incremental
+from decode_steps import incremental
 from ranks import on_ranks
 
 pytestmark = [pytest.mark.slow(minutes=8), pytest.mark.usefixtures("one_torch_thread")]
@@ -30,11 +30,6 @@ pytestmark = [pytest.mark.slow(minutes=8), pytest.mark.usefixtures("one_torch_th
 LENGTH, PROMPTS = 300, [40, 77]  # teacher-forced: > 40 verify/commit steps past both prompts
 NEW_TOKENS = 12
 MAPPINGS = {"tensor2": {"tensor": 2}, "expert2": {"expert": 2}, "tensor2-expert2": {"tensor": 2, "expert": 2}}
-
-
-@pytest.fixture(scope="module")
-def fp32_recipe(tiny_recipe):
-    return recipe_variant(tiny_recipe, FP32_CACHES, name="dsv41-tiny-fp32")
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +60,8 @@ def _serve_rank(rank, path, workload):
 
 
 @pytest.fixture(scope="module")
-def one_device(fp32_recipe, weights, workload, tmp_path_factory):
-    path = export_package(fp32_recipe, tmp_path_factory.mktemp("one"), weights=weights).path
-    return serve(load(path), workload)
+def one_device(fp32_path, workload):
+    return serve(load(fp32_path), workload)  # exported with the recipe's own weights, as `weights` are
 
 
 @pytest.mark.parametrize("mapping", MAPPINGS.values(), ids=MAPPINGS.keys())
