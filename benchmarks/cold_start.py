@@ -6,8 +6,9 @@ path run in alternating rounds, in the same benchmark run, on the same package:
 
 * old: torch.export.load of every pass at load (what `load` did before pass_graph.py),
   and a session of every pass;
-* new: the memoised deserialiser (graph_loader.py), each pass deserialised when first
-  used, and a session of only the passes the engine replays (serving.engine.passes_used).
+* new: graphs built straight from the checked JSON (graph_loader.py), each pass when first
+  used, and a session of only the passes the engine replays (serving.engine.passes_used),
+  which builds their replay graphs (no described values: pass_graph.PassGraph.replay).
 
 Modes and the phases they report (ms):
 
@@ -53,10 +54,10 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
     after_torch = time.perf_counter()
     old = path == "old"
     from b12x_toolchain.runtime import load as runtime_load
-    from b12x_toolchain.runtime.package.pass_graph import MEMOISED, TORCH
+    from b12x_toolchain.runtime.package.pass_graph import DIRECT, TORCH
 
     def load(*args, **kwargs):
-        package = runtime_load(*args, graph_loader=TORCH if old else MEMOISED, **kwargs)
+        package = runtime_load(*args, graph_loader=TORCH if old else DIRECT, **kwargs)
         if old:  # as before: every pass deserialised at load
             for info in package.passes.values():
                 info.program  # noqa: B018  (reading it deserialises it)
@@ -76,7 +77,7 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
         import resource
 
         imported = time.perf_counter()
-        loaded = runtime_load(package, graph_loader=TORCH if old else MEMOISED)
+        loaded = runtime_load(package, graph_loader=TORCH if old else DIRECT)
         checked = time.perf_counter()
         for info in loaded.passes.values():
             info.program  # noqa: B018
