@@ -17,6 +17,9 @@ Modes and the phases they report (ms):
   import up to the first token;
 * `run` (dsv41-tiny): `b12x run PKG --prompt-ids 1,...,8 --max-new-tokens 1` in the child,
   import of the CLI and the command (to its first and only token, and its report);
+* both also report `after_torch_cpu`: the child's CPU time (user and system) over the same
+  span as `after_torch`. On a shared machine wall time includes waiting for a core; CPU
+  time is what the work costs;
 * `graphs` (full-size dsv41, structural): load (every check, no weights bound) and the
   deserialisation of every pass graph; `peak_rss` is the child's peak resident memory (MiB).
 
@@ -51,7 +54,7 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(1)
-    after_torch = time.perf_counter()
+    after_torch, cpu_after_torch = time.perf_counter(), time.process_time()
     old = path == "old"
     from b12x_toolchain.runtime import load as runtime_load
     from b12x_toolchain.runtime.package.pass_graph import DIRECT, TORCH
@@ -72,7 +75,8 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
         main(["run", package, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "1"],
              standalone_mode=False)
         done = time.perf_counter()
-        return {"import": imported - start, "command": done - imported, "after_torch": done - after_torch}
+        return {"import": imported - start, "command": done - imported, "after_torch": done - after_torch,
+                "after_torch_cpu": time.process_time() - cpu_after_torch}
     if mode == "graphs":
         import resource
 
@@ -95,9 +99,10 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
     engine = Engine(session)
     [state] = engine.submit([Request(prompt=PROMPT, max_new_tokens=1)])
     engine.step()
-    first = state.first_token_at
+    first, cpu = state.first_token_at, time.process_time()
     return {"import": imported - start, "load": checked - imported, "session": ready - checked,
-            "first_token": first - ready, "after_torch": first - after_torch}
+            "first_token": first - ready, "after_torch": first - after_torch,
+            "after_torch_cpu": cpu - cpu_after_torch}
 
 
 def _child(mode: str, package: Path, path: str) -> dict[str, float]:
