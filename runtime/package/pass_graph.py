@@ -28,7 +28,9 @@ class PassGraph:
             raise ValueError(f"graph loader {loader!r}: expected one of {LOADERS}")
         self.file, self.loader = file, loader
         self._document = check_archive(file, data)
-        self._data = data if loader == TORCH else None  # torch.export.load reads the archive itself
+        # The archive is kept until the program is built: torch.export.load reads it, and once a
+        # replay graph is built the parsed document (about 7 times the JSON's size) is dropped.
+        self._data = data
         self._program = self._replay = None
 
     @property
@@ -39,7 +41,7 @@ class PassGraph:
     def program(self) -> torch.export.ExportedProgram:
         if self._program is None:
             self._program = self._deserialise()
-            self._document = self._data = None  # a replay built before keeps its own graph
+            self._document = self._data = None
         return self._program
 
     @property
@@ -49,12 +51,13 @@ class PassGraph:
         before the first token); the program itself, once it has been."""
         if self._program is not None:
             return self._program
-        if self._replay is None:  # the document is kept: the program may still be read
+        if self._replay is None:
             if self.loader != DIRECT:
                 return self.program
             from b12x_toolchain.runtime.package.graph_loader import replay_graph
 
             self._replay = self._checked(lambda: replay_graph(self._document))
+            self._document = None  # the program, if it is ever read, is built from the archive again
         return self._replay
 
     def _deserialise(self) -> torch.export.ExportedProgram:
@@ -62,7 +65,9 @@ class PassGraph:
             # Imported when first used: loading and checking a package builds no graph.
             from b12x_toolchain.runtime.package.graph_loader import exported_program
 
-            return self._checked(lambda: exported_program(self._document))
+            # The archive is checked again if its document was dropped: what is built is what was checked.
+            document = self._document if self._document is not None else check_archive(self.file, self._data)
+            return self._checked(lambda: exported_program(document))
         return self._checked(lambda: torch.export.load(io.BytesIO(self._data)))
 
     def _checked(self, build):
@@ -79,8 +84,9 @@ class PassGraph:
 
     def collective_call(self) -> tuple[str, str] | None:
         """(node name, op) of the first node calling a collective, read without deserialising."""
-        if self._program is not None:
-            nodes = ((n.name, str(n.target)) for n in self._program.graph.nodes if n.op == "call_function")
+        built = self._program if self._program is not None else self._replay
+        if built is not None:
+            nodes = ((n.name, str(n.target)) for n in built.graph_module.graph.nodes if n.op == "call_function")
         else:
             nodes = ((n["name"], n["target"].removeprefix("torch.ops."))
                      for n in self._document["graph_module"]["graph"]["nodes"])

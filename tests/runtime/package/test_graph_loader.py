@@ -150,6 +150,8 @@ def test_a_program_read_after_the_replay_is_the_full_program(fused_path):
     graph = package.passes["commit"].graph
     replay = graph.replay
     assert graph.deserialised and not any("val" in n.meta for n in replay.graph_module.graph.nodes)
-    program = graph.program  # described values and all, from the document kept for it
+    assert graph._document is None  # the parsed JSON is not kept beside the replay graph
+    assert graph.collective_call() is None  # read from the replay graph now
+    program = graph.program  # described values and all, from the archive, checked again
     assert all("val" in n.meta for n in program.graph.nodes if n.op in ("placeholder", "output"))
     assert graph.replay is program  # once read, the program is what replays
