@@ -6,8 +6,9 @@ path run in alternating rounds, in the same benchmark run, on the same package:
 
 * old: torch.export.load of every pass at load (what `load` did before pass_graph.py),
   and a session of every pass;
-* new: the memoised deserialiser (graph_loader.py), each pass deserialised when first
-  used, and a session of only the passes the engine replays (serving.engine.passes_used).
+* new: graphs built straight from the checked JSON (graph_loader.py), each pass when first
+  used, and a session of only the passes the engine replays (serving.engine.passes_used),
+  which builds their replay graphs (no described values: pass_graph.PassGraph.replay).
 
 Modes and the phases they report (ms):
 
@@ -16,6 +17,9 @@ Modes and the phases they report (ms):
   import up to the first token;
 * `run` (dsv41-tiny): `b12x run PKG --prompt-ids 1,...,8 --max-new-tokens 1` in the child,
   import of the CLI and the command (to its first and only token, and its report);
+* both also report `after_torch_cpu`: the child's CPU time (user and system) over the same
+  span as `after_torch`. On a shared machine wall time includes waiting for a core; CPU
+  time is what the work costs;
 * `graphs` (full-size dsv41, structural): load (every check, no weights bound) and the
   deserialisation of every pass graph; `peak_rss` is the child's peak resident memory (MiB).
 
@@ -50,13 +54,13 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(1)
-    after_torch = time.perf_counter()
+    after_torch, cpu_after_torch = time.perf_counter(), time.process_time()
     old = path == "old"
     from b12x_toolchain.runtime import load as runtime_load
-    from b12x_toolchain.runtime.package.pass_graph import MEMOISED, TORCH
+    from b12x_toolchain.runtime.package.pass_graph import DIRECT, TORCH
 
     def load(*args, **kwargs):
-        package = runtime_load(*args, graph_loader=TORCH if old else MEMOISED, **kwargs)
+        package = runtime_load(*args, graph_loader=TORCH if old else DIRECT, **kwargs)
         if old:  # as before: every pass deserialised at load
             for info in package.passes.values():
                 info.program  # noqa: B018  (reading it deserialises it)
@@ -71,12 +75,13 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
         main(["run", package, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "1"],
              standalone_mode=False)
         done = time.perf_counter()
-        return {"import": imported - start, "command": done - imported, "after_torch": done - after_torch}
+        return {"import": imported - start, "command": done - imported, "after_torch": done - after_torch,
+                "after_torch_cpu": time.process_time() - cpu_after_torch}
     if mode == "graphs":
         import resource
 
         imported = time.perf_counter()
-        loaded = runtime_load(package, graph_loader=TORCH if old else MEMOISED)
+        loaded = runtime_load(package, graph_loader=TORCH if old else DIRECT)
         checked = time.perf_counter()
         for info in loaded.passes.values():
             info.program  # noqa: B018
@@ -94,9 +99,10 @@ def _phases(mode: str, package: str, path: str) -> dict[str, float]:
     engine = Engine(session)
     [state] = engine.submit([Request(prompt=PROMPT, max_new_tokens=1)])
     engine.step()
-    first = state.first_token_at
+    first, cpu = state.first_token_at, time.process_time()
     return {"import": imported - start, "load": checked - imported, "session": ready - checked,
-            "first_token": first - ready, "after_torch": first - after_torch}
+            "first_token": first - ready, "after_torch": first - after_torch,
+            "after_torch_cpu": cpu - cpu_after_torch}
 
 
 def _child(mode: str, package: Path, path: str) -> dict[str, float]:

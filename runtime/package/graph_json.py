@@ -43,7 +43,7 @@ SYMBOL_NAME = re.compile(r"[su]\d+")
 
 # sympy expressions as torch prints them: Symbol('s0', positive=True, integer=True),
 # Integer(4), and a few functions of those.
-_EXPR_TOKEN = re.compile(r"\s*(?:(Symbol\('[su]\d+'(?:, (?:positive|integer|nonnegative)=True)*\))|(Integer\(-?\d+\))"
+EXPR_TOKEN = re.compile(r"\s*(?:(Symbol\('[su]\d+'(?:, (?:positive|integer|nonnegative)=True)*\))|(Integer\(-?\d+\))"
                          r"|(Mul|Add|Pow|Mod|FloorDiv|CleanDiv|Max|Min|PythonMod|CeilToInt|FloorToInt)\(|(,)|(\)))")
 # Guards as torch writes them: comparisons of sizes of named inputs and integers.
 _GUARD_TOKEN = re.compile(r"\s*(?:L(?:\['[A-Za-z0-9_.]+'\])+\.size\(\)\[\d+\]|\d+|==|!=|<=|>=|<|>|\*|\+|-|//|%|\(|\)"
@@ -129,7 +129,7 @@ def _is_expr(text: str) -> bool:
     """Symbols and integers nested in allowed functions, with balanced parentheses."""
     depth, pos, expect_value = 0, 0, True
     while pos < len(text):
-        match = _EXPR_TOKEN.match(text, pos)
+        match = EXPR_TOKEN.match(text, pos)
         if not match:
             return False
         symbol, integer, function, comma, close = match.groups()

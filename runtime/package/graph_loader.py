@@ -1,220 +1,445 @@
-"""Deserialise a checked graph document into the program `torch.export.load` gives, at the
-cost of the graph's distinct content.
+"""Build a pass's program straight from its checked graph document.
 
-`torch.export.load` spends its time on work it repeats for every JSON object and every value:
-it looks up the Python type hints of a schema class for each of the ~300,000 objects of a
-tiny package's graphs (half the time), parses every symbolic size with `sympy.sympify` (an
-`eval` per dimension), and builds every node's fake tensor through the fake-tensor
-dispatcher, where symbolic strides cost sympy arithmetic each time. A pass graph is a few
-layer kinds repeated, so almost all of that work is the same work again.
+The program is the one `torch.export.load` gives (same nodes, names, arguments, metadata,
+described values, signature, calling spec, ranges and guards; a test compares them node
+for node and replays every pass through both), built without torch's deserialiser:
 
-Here the same deserialiser (torch's GraphModuleDeserializer: same nodes, names, arguments,
-metadata and signature) is fed and helped so that repeated work is done once:
+- `torch._export.serde.serialize` imports torch._dynamo, seconds before the first graph;
+- its JSON goes through schema dataclasses (type hints resolved per object) before a node
+  is made, and its graph module is generated and compiled twice (once for the
+  deserialiser's module, again when ExportedProgram wraps it): here the JSON is read as
+  it is and the code is generated once;
+- symbolic sizes and fake tensors are made once per distinct value (graph_symbols.py);
+- a session's replay needs none of them: `replay_graph` builds the same graph module and
+  calling spec without described values (ReplayGraph says why).
 
-- JSON to schema dataclasses through converters built once per schema type (`_converter`);
-- each symbolic expression parsed once, each symbolic size made once (sizes are immutable);
-- each distinct (dtype, sizes, strides, device) described once as a meta tensor; every node
-  with that description gets its own FakeTensor over it. Those fake tensors share a meta
-  storage, which holds no bytes: they describe shapes and dtypes, which is all that reads
-  them after loading (replay runs the graph module's code; views read shapes; Inductor
-  traces the graph afresh).
-
-The document has been checked (graph_json.py) before it gets here; nothing is unpickled.
+Only what graph_json.py lets through is built: aten, op-set and collective calls, getitem,
+plain-data arguments, user inputs and outputs. Anything else is a PackageError; nothing is
+unpickled and no string is evaluated.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import functools
-import gc
-import types
-import typing
-from typing import Annotated, Any, Callable
+import keyword
+import math
+import operator
 
 import torch
-from torch._export.serde import schema, serialize
-from torch._export.serde.union import _Union, _UnionTag
+from torch._export.serde.schema import SCHEMA_VERSION, ArgumentKind, Layout, MemoryFormat
 from torch._export.verifier import load_verifier
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import exported_program as ep
-from torch.fx.experimental.symbolic_shapes import ValueRanges
-from torch.utils._sympy.numbers import int_oo
+from torch.utils._pytree import TreeSpec, treespec_loads
+
+from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.package.graph_enums import LAYOUTS, MEMORY_FORMATS, device, dtype
+
+ST_DELIMITER = ";"  # torch's separator of stacked node metadata
+# Ops on symbolic scalars, which torch deserialises by position and names after their output.
+# graph_json.py lets only aten's `item` of them through; the rest are listed to keep torch's rule.
+SYM_OPS = {operator.eq, operator.ne, operator.le, operator.ge, operator.lt, operator.gt, operator.neg, operator.pos,
+           math.trunc, operator.mul, operator.add, operator.sub, operator.floordiv, operator.mod, operator.pow,
+           operator.truediv, operator.and_, operator.or_, operator.lshift, operator.rshift, torch.sym_not,
+           torch.sym_int, torch.sym_float, torch.sym_ite, torch.sym_max, torch.sym_min, torch.sym_sqrt,
+           torch.ops.aten.item.default}
 
 
 def exported_program(document: dict) -> torch.export.ExportedProgram:
     """The program of a checked graph document (archive entry models/model.json)."""
-    shared = _SHARED.set({})  # what this document's conversion shares lives as long as the call
-    try:
-        with _no_collection():
-            return _deserialize(_converter(schema.ExportedProgram)(document))
-    finally:
-        _SHARED.reset(shared)
+    return _Builder(document, describe=True).program()
 
 
-@contextlib.contextmanager
-def _no_collection():
-    """The garbage collector paused: deserialising makes a few hundred thousand objects and no
-    garbage, and collections triggered by that many allocations cost as much as making them."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    in_spec: TreeSpec
+    out_spec: TreeSpec
 
 
-# -- JSON to schema dataclasses ------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ReplayGraph:
+    """What a replay runs of a pass: the program's graph module and calling spec, with the same
+    nodes, arguments and generated code, but no described values (`meta["val"]`). Those are
+    fake tensors over symbolic sizes, which need a ShapeEnv, and a ShapeEnv imports
+    torch._dynamo (seconds); a replay runs the module's code on real tensors and never reads
+    them. Inspecting, compiling and checking read `PassGraph.program`, which has them."""
 
-def _identity(value):
-    return value
-
-
-@functools.cache
-def _converter(cls) -> Callable[[Any], Any]:
-    """A function turning JSON data of schema type `cls` into what torch's `_dict_to_dataclass`
-    makes of it; built once per type instead of resolving type hints for every object."""
-    cls = serialize._resolve_schema_cls(cls)
-    origin, args = typing.get_origin(cls), typing.get_args(cls)
-    if origin is Annotated:
-        return _converter(cls.__origin__)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        inner = _converter(args[0])
-        return lambda data: None if data is None else inner(data)
-    if isinstance(cls, type) and issubclass(cls, _Union):
-        return _union_converter(cls)
-    if dataclasses.is_dataclass(cls):
-        return _dataclass_converter(cls)
-    if origin is list:
-        item = _converter(args[0])
-        return _identity if item is _identity else lambda data: [item(x) for x in data] if data else data
-    if origin is dict:
-        value = _converter(args[1])
-        return _identity if value is _identity else lambda data: {k: value(v) for k, v in data.items()}
-    if cls is float:
-        return float
-    return _identity
+    graph_module: torch.fx.GraphModule
+    call_spec: CallSpec
 
 
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls, globalns=vars(schema))
+def replay_graph(document: dict) -> ReplayGraph:
+    """The replayed part of a checked graph document's program (ReplayGraph)."""
+    return _Builder(document, describe=False).replay()
 
 
-def _union_converter(cls) -> Callable:
-    hints = _hints(cls)
-    unset = {f.name: None for f in dataclasses.fields(cls)}
-    converters, tags = {}, {}  # filled on first use: a union may contain itself (an Argument's list of Arguments)
-
-    def convert(data: dict):
-        (key, value), = data.items()
-        if key not in converters:
-            converters[key], tags[key] = _converter(hints[key]), _UnionTag.create(key, cls)
-        # What cls.create(key=value) makes, without re-checking the class's fields each time.
-        union = object.__new__(cls)
-        union.__dict__.update(unset)
-        union.__dict__[key] = converters[key](value)
-        union._type = tags[key]
-        return union
-
-    return convert
+def _one(union: dict) -> tuple[str, object]:
+    """(kind, value) of a serialised union: an object with one key."""
+    (kind, value), = union.items()
+    return kind, value
 
 
-def _dataclass_converter(cls) -> Callable:
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    converters = {}
+class _Builder:
+    def __init__(self, document: dict, describe: bool):
+        version = document["schema_version"]
+        if version["major"] != SCHEMA_VERSION[0] and (version["major"], version["minor"]) != (0, 0):
+            raise PackageError(f"graph schema version {version} is not torch's {SCHEMA_VERSION}")
+        self.document, self.module = document, document["graph_module"]
+        self.symbols = None
+        if describe:  # imported here: sympy and symbolic shapes take a second, and only values need them
+            from b12x_toolchain.runtime.package.graph_symbols import Symbols
 
-    def convert(data: dict):
-        if not converters:
-            converters.update({name: _converter(hints[name]) for name in names})
-        # Keys the dataclass does not define are ignored, as torch does (forward compatibility).
-        return cls(**{name: converters[name](data[name]) for name in names if name in data})
+            self.symbols = Symbols(document.get("range_constraints", {}))
+        self.graph = torch.fx.Graph()
+        self.nodes: dict[str, torch.fx.Node] = {}
+        graph = self.module["graph"]
+        self.values = {**graph.get("tensor_values", {}), **graph.get("sym_int_values", {})}
+        self.tensor_names = set(graph.get("tensor_values", {}))
+        self._stacks: dict[str, list] = {}
+        for kind in ("sym_bool_values", "sym_float_values", "custom_obj_values"):
+            if graph.get(kind):
+                raise PackageError(f"graph_module.graph.{kind}: b12x graphs have none")
 
-    if cls is schema.TensorMeta:  # one per value; a pass has few distinct ones (a layer's, repeated)
-        return _shared(convert)
-    return convert
+    def _built(self) -> tuple[ep.ExportGraphSignature, list[ep.ModuleCallEntry]]:
+        signature = ep.ExportGraphSignature(
+            input_specs=[self._input_spec(s) for s in self.module["signature"]["input_specs"]],
+            output_specs=[self._output_spec(s) for s in self.module["signature"]["output_specs"]])
+        self._graph(self.module["graph"], signature)
+        calls = [ep.ModuleCallEntry(fqn=e["fqn"], signature=self._call_signature(e.get("signature")))
+                 for e in self.module["module_call_graph"]]
+        return signature, calls
+
+    def replay(self) -> ReplayGraph:
+        signature, calls = self._built()
+        if not calls or calls[0].fqn != "" or calls[0].signature is None:
+            raise PackageError("module_call_graph: expected the root module's calling spec first")
+        module = torch.fx.GraphModule(torch.nn.Module(), self.graph)
+        # What ExportedProgram does to the graph it wraps, so that the code is the program's; the
+        # code is generated again only if that removed a node (a duplicate getitem).
+        nodes = len(self.graph.nodes)
+        ep._common_getitem_elimination_pass(module, signature, calls)
+        if len(self.graph.nodes) != nodes:
+            module.recompile()
+        return ReplayGraph(module, CallSpec(calls[0].signature.in_spec, calls[0].signature.out_spec))
+
+    def program(self) -> torch.export.ExportedProgram:
+        signature, calls = self._built()
+        ranges = {self.symbols.by_name[name]: bounds for name, bounds in self.symbols.ranges.items()
+                  if name in self.symbols.by_name}
+        # The root holds no attributes: the module's code is generated once, here.
+        program = ep.ExportedProgram(root=torch.nn.Module(), graph=self.graph, graph_signature=signature,
+                                     state_dict={}, range_constraints=ranges, module_call_graph=calls,
+                                     example_inputs=None, constants={},
+                                     verifiers=[load_verifier(v) for v in self.document.get("verifiers", [])])
+        program.graph_module.meta.update(treespec_namedtuple_fields={})
+        program._guards_code = self.document.get("guards_code", [])
+        return program
+
+    # -- values -----------------------------------------------------------------------
+
+    def _name(self, name: str, node: torch.fx.Node) -> None:
+        """Name a node as the document does and give it its described value."""
+        if name in self.nodes:
+            raise PackageError(f"value {name!r} is defined twice")
+        node.name = name
+        self.nodes[name] = node
+        if self.symbols is not None:
+            node.meta["val"] = self._value(name)
+
+    def _describe(self, node: torch.fx.Node, val) -> None:
+        if self.symbols is not None:
+            node.meta["val"] = val
+
+    def _value(self, name: str):
+        if name not in self.values:
+            raise PackageError(f"value {name!r} has no description")
+        if name in self.tensor_names:
+            return self.symbols.fake_tensor(self.values[name])
+        return self.symbols.sym_int(self.values[name])
+
+    def _node(self, name: str) -> torch.fx.Node:
+        if name not in self.nodes:
+            raise PackageError(f"value {name!r} is used before it is defined")
+        return self.nodes[name]
+
+    def _sym(self, argument: dict):
+        kind, value = _one(argument)
+        if kind == "as_name":
+            return self._node(value)
+        if kind in ("as_int", "as_bool"):
+            return value
+        if kind == "as_float":
+            return float(value)
+        raise PackageError(f"a symbolic argument of kind {kind!r}")
+
+    def _arg(self, argument: dict):
+        kind, value = _one(argument)
+        if kind in ("as_none",):
+            return None
+        if kind == "as_tensor":
+            return self._node(value["name"])
+        if kind in ("as_int", "as_bool", "as_string"):
+            return value
+        if kind == "as_float":  # JSON writes infinities and NaN as strings; torch reads them with float()
+            return float(value)
+        if kind in ("as_ints", "as_bools", "as_strings"):
+            return list(value)
+        if kind == "as_floats":
+            return [float(v) for v in value]
+        if kind == "as_tensors":
+            return [self._node(a["name"]) for a in value]
+        if kind == "as_optional_tensors":
+            return [None if _one(a)[0] == "as_none" else self._node(_one(a)[1]["name"]) for a in value]
+        if kind in ("as_sym_int", "as_sym_float", "as_sym_bool"):
+            return self._sym(value)
+        if kind in ("as_sym_ints", "as_sym_floats", "as_sym_bools"):
+            return [self._sym(a) for a in value]
+        if kind == "as_scalar_type":
+            return dtype(value)
+        if kind == "as_layout":
+            return LAYOUTS[Layout(value)]
+        if kind == "as_memory_format":
+            return MEMORY_FORMATS[MemoryFormat(value)]
+        if kind == "as_device":
+            return device(value)
+        if kind == "as_complex":
+            return complex(float(value["real"]), float(value["imag"]))
+        raise PackageError(f"an argument of kind {kind!r}")
+
+    # -- the graph --------------------------------------------------------------------
+
+    def _graph(self, graph: dict, signature: ep.ExportGraphSignature) -> None:
+        for i, argument in enumerate(graph["inputs"]):
+            kind, value = _one(argument)
+            if kind == "as_tensor" or (kind == "as_sym_int" and _one(value)[0] == "as_name"):
+                name = value["name"] if kind == "as_tensor" else value["as_name"]
+                self._name(name, self.graph.placeholder(name))
+            elif kind in ("as_int", "as_float", "as_bool", "as_none", "as_string"):
+                self._describe(self.graph.placeholder(signature.input_specs[i].arg.name or f"arg{i}"), self._arg(argument))
+            else:
+                raise PackageError(f"graph input {i} of kind {kind!r}")
+        for node in graph["nodes"]:
+            self._call(node)
+        outputs = [self._output(o) for o in graph["outputs"]]
+        if graph.get("is_single_tensor_return"):
+            if len(outputs) != 1:
+                raise PackageError(f"a single tensor return of {len(outputs)} outputs")
+            output = self.graph.output(outputs[0])
+        else:
+            output = self.graph.output(tuple(outputs))
+        if self.symbols is None:
+            return
+        if graph.get("is_single_tensor_return"):
+            output.meta["val"] = outputs[0].meta["val"]
+        else:
+            output.meta["val"] = tuple(o.meta["val"] if isinstance(o, torch.fx.Node) else o for o in outputs)
+        if self.symbols.unbacked:  # values defined by data, bound where they are first produced
+            from torch.fx.experimental.symbolic_shapes import _free_unbacked_symbols_with_path
+
+            pending, env = set(self.symbols.unbacked), self.symbols.shape_env
+            for node in self.graph.nodes:
+                val = node.meta.get("val")
+                bindings = None if val is None else _free_unbacked_symbols_with_path(val, (), shape_env=env,
+                                                                                      pending=pending, simplify=True)
+                if bindings:
+                    node.meta["unbacked_bindings"] = bindings
+            if pending:
+                raise PackageError(f"unbacked symbols {sorted(map(str, pending))} are never produced")
+
+    def _output(self, argument: dict):
+        kind, value = _one(argument)
+        if kind == "as_tensor":
+            return self._node(value["name"])
+        if kind in ("as_sym_int", "as_sym_bool", "as_sym_float"):
+            return self._node(value["as_name"])
+        if kind in ("as_int", "as_float", "as_bool", "as_none"):
+            return None if kind == "as_none" else value
+        raise PackageError(f"a graph output of kind {kind!r}")
+
+    def _call(self, node: dict) -> None:
+        target = _target(node["target"])
+        name = node.get("name") or None
+        if target in SYM_OPS:
+            args = tuple(self._arg(a["arg"]) for a in node["inputs"])
+            made = self.graph.create_node("call_function", target, args, {}, name or _one(node["outputs"][0])[1]["as_name"])
+            self._name(_one(node["outputs"][0])[1]["as_name"], made)
+        elif isinstance(target, torch._ops.OpOverload):
+            if name is None and _single_tensor_return(target):
+                name = node["outputs"][0]["as_tensor"]["name"]
+            args, kwargs = self._inputs(target, node["inputs"])
+            made = self.graph.create_node("call_function", target, args, kwargs, name)
+            self._outputs(node, made)
+        else:  # operator.getitem: arguments by position, or by name when the document names them
+            args = tuple(self._arg(a["arg"]) for a in node["inputs"] if a.get("kind") == ArgumentKind.POSITIONAL
+                         or a["name"] == "")
+            kwargs = {a["name"]: self._arg(a["arg"]) for a in node["inputs"]
+                      if not (a.get("kind") == ArgumentKind.POSITIONAL or a["name"] == "")}
+            made = self.graph.create_node("call_function", target, args, kwargs, name)
+            self._outputs(node, made)
+        made.meta.update(self._metadata(node.get("metadata", {})))
+        if self.symbols is None:
+            pass  # a replay needs no symbolic facts
+        elif target is torch.ops.aten._assert_scalar.default and not isinstance(made.args[0], bool):
+            if isinstance(expr := made.args[0].meta["val"], torch.SymBool):
+                self.symbols.shape_env.guard_or_defer_runtime_assert(expr.node.expr, "", made)
+        elif target is torch.ops.aten.sym_constrain_range_for_size.default:
+            if isinstance(sym := made.args[0].meta["val"], torch.SymInt):
+                self.symbols.shape_env._constrain_range_for_size(sym.node.expr)
+        if "nn_module_stack" not in made.meta:  # serialising drops empty stacks
+            made.meta["nn_module_stack"] = {}
+
+    def _inputs(self, target, inputs: list) -> tuple[tuple, dict]:
+        """Arguments by the op's schema: positional or keyword as the document records them,
+        or else as the schema says (torch's rule, kept for documents that record no kind)."""
+        kinds = {a["name"]: a.get("kind") for a in inputs}
+        given = {a["name"]: self._arg(a["arg"]) for a in inputs}
+        args, kwargs = [], {}
+        for schema_arg in target._schema.arguments:
+            name = schema_arg.name
+            if name in given:
+                if kinds[name] == ArgumentKind.POSITIONAL:
+                    args.append(given[name])
+                    continue
+                if kinds[name] == ArgumentKind.KEYWORD and not keyword.iskeyword(name):
+                    kwargs[name] = given[name]
+                    continue
+            if not schema_arg.has_default_value() and not schema_arg.kwarg_only:
+                args.append(given[name])
+            elif keyword.iskeyword(name):
+                kwargs = {}
+                args.append(given[name])
+            elif name in given:
+                kwargs[name] = given[name]
+        return tuple(args), kwargs
+
+    def _outputs(self, node: dict, made: torch.fx.Node) -> None:
+        outputs = node["outputs"]
+        if not outputs:
+            return
+        if len(outputs) == 1:
+            kind, value = _one(outputs[0])
+            if kind == "as_tensor":
+                return self._name(value["name"], made)
+            if kind in ("as_sym_int", "as_sym_bool", "as_sym_float"):
+                return self._name(value["as_name"], made)
+            if kind == "as_none":
+                self._describe(made, None)
+                made._rename(f"{self.graph._target_to_str(made.target)}_unused")
+                return None
+            if kind != "as_tensors":
+                raise PackageError(f"node {made.name}: an output of kind {kind!r}")
+        metadata, vals = self._metadata(node.get("metadata", {})), []
+        if len(outputs) == 1:
+            self._getitems(vals, made, [{"as_tensor": a} for a in _one(outputs[0])[1]], metadata)
+        else:
+            self._getitems(vals, made, outputs, metadata)
+        self._describe(made, tuple(vals))
+        self.nodes[made.name] = made
+
+    def _getitems(self, vals: list, made: torch.fx.Node, outputs: list, metadata: dict) -> None:
+        """One getitem node per output of a call that returns several (FX's one value per node)."""
+        for i, argument in enumerate(outputs):
+            kind, value = _one(argument)
+            if kind in ("as_tensor", "as_sym_int", "as_sym_float"):
+                name = value["name"] if kind == "as_tensor" else value["as_name"]
+                item = self.graph.create_node("call_function", operator.getitem, (made, i), name=name)
+                self._name(name, item)
+                vals.append(item.meta.get("val"))
+            elif kind == "as_tensors":
+                item = self.graph.create_node("call_function", operator.getitem, (made, i))
+                vals.append([])
+                self._getitems(vals[-1], item, [{"as_tensor": a} for a in value], metadata)
+                self._describe(item, vals[-1])
+            elif kind == "as_none":
+                item = self.graph.create_node("call_function", operator.getitem, (made, i), name="as_none")
+                vals.append(None)
+                self._describe(item, None)
+            else:
+                raise PackageError(f"an output of kind {kind!r}")
+            item.meta.update(metadata)
+
+    def _metadata(self, metadata: dict) -> dict:
+        out = {}
+        if trace := metadata.get("stack_trace"):
+            out["stack_trace"] = trace
+        if stack := metadata.get("nn_module_stack"):
+            if stack not in self._stacks:
+                self._stacks[stack] = [_stack_entry(item) for item in stack.split(ST_DELIMITER)]
+            out["nn_module_stack"] = dict(self._stacks[stack])  # each node its own dict, as torch makes
+        if torch_fn := metadata.get("torch_fn"):
+            out["torch_fn"] = tuple(torch_fn.split(ST_DELIMITER))
+        return out
+
+    # -- signature --------------------------------------------------------------------
+
+    def _argument_spec(self, argument: dict):
+        kind, value = _one(argument)
+        if kind == "as_tensor":
+            return ep.TensorArgument(name=value["name"])
+        if kind == "as_sym_int":
+            return ep.SymIntArgument(name=value["as_name"])
+        if kind == "as_sym_float":
+            return ep.SymFloatArgument(name=value["as_name"])
+        if kind == "as_custom_obj":
+            raise PackageError("a custom object in the signature")
+        return ep.ConstantArgument(name="", value=self._arg(argument))
+
+    def _input_spec(self, spec: dict) -> ep.InputSpec:
+        kind, value = _one(spec)
+        if kind != "user_input":
+            raise PackageError(f"an input of kind {kind!r}; b12x graphs take every tensor as a user input")
+        return ep.InputSpec(kind=ep.InputKind.USER_INPUT, arg=self._argument_spec(value["arg"]), target=None)
+
+    def _output_spec(self, spec: dict) -> ep.OutputSpec:
+        kind, value = _one(spec)
+        if kind != "user_output":
+            raise PackageError(f"an output of kind {kind!r}; b12x graphs return user outputs only")
+        return ep.OutputSpec(kind=ep.OutputKind.USER_OUTPUT, arg=self._argument_spec(value["arg"]), target=None)
+
+    def _call_signature(self, signature: dict | None) -> ep.ModuleCallSignature | None:
+        if not signature:
+            return None
+        return ep.ModuleCallSignature(
+            inputs=[self._argument_spec(a) for a in signature["inputs"]],
+            outputs=[self._argument_spec(a) for a in signature["outputs"]],
+            in_spec=treespec_loads(signature["in_spec"]), out_spec=treespec_loads(signature["out_spec"]),
+            forward_arg_names=signature.get("forward_arg_names") or None)
 
 
-# Per call of exported_program (and per thread): repr of a JSON value -> what it was converted to.
-_SHARED: contextvars.ContextVar[dict] = contextvars.ContextVar("b12x_graph_loader_shared")
+def _target(text: str):
+    """The callable a checked target names (graph_json.py allowed the name)."""
+    if text.startswith("_operator."):
+        found, parts = operator, text.split(".")[1:]
+    elif text.startswith("torch."):
+        found, parts = torch, text.split(".")[1:]
+    else:
+        raise PackageError(f"target {text[:120]!r} is not an op")
+    for part in parts:
+        if not hasattr(found, part):
+            raise PackageError(f"target {text[:120]!r} is not registered in this process")
+        found = getattr(found, part)
+    if not (found in SYM_OPS or isinstance(found, torch._ops.OpOverload) or found is operator.getitem):
+        raise PackageError(f"target {text[:120]!r} is not an op overload")
+    return found
 
 
-def _shared(convert: Callable) -> Callable:
-    """`convert`, made once per distinct JSON value of a document and shared: for immutable
-    descriptions (a tensor's dtype, sizes, strides), which the deserialiser then recognises
-    by identity."""
-
-    def shared(data):
-        made, key = _SHARED.get(), repr(data)  # equal reprs of JSON values are equal values
-        if key not in made:
-            made[key] = convert(data)
-        return made[key]
-
-    return shared
+def _single_tensor_return(target) -> bool:
+    returns = target._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].real_type, torch.TensorType)
 
 
-# -- the graph, with repeated work done once ------------------------------------------------
-
-def _sym_key(value) -> tuple:
-    """A hashable key of a serialised SymInt (an int, or an expression with its hint)."""
-    if value.type == "as_expr":
-        hint = value.value.hint
-        return value.value.expr_str, None if hint is None else hint.value
-    return (value.value,)
-
-
-def _memoised(method: Callable, key: Callable) -> Callable:
-    memo = {}
-
-    def call(*args):
-        k = key(*args)
-        if k not in memo:
-            memo[k] = method(*args)
-        return memo[k]
-
-    return call
-
-
-def _graph_deserializer() -> serialize.GraphModuleDeserializer:
-    """torch's deserialiser (it may not be subclassed), with its per-value steps memoised on the instance."""
-    d = serialize.GraphModuleDeserializer()
-    # Parsing has side effects only the first time (the symbol's hint and range in the shape env).
-    d._parse_sym_expr = _memoised(d._parse_sym_expr, lambda expr, hint=None: (expr, hint))
-    d.deserialize_sym_int = _memoised(d.deserialize_sym_int, lambda s: (s.type, *_sym_key(s)))
-    metas = {}  # id of a shared TensorMeta (_shared) -> (it, its meta tensor, device)
-
-    def tensor_meta(meta) -> FakeTensor:
-        key = id(meta)
-        if key not in metas:
-            sizes = [d.deserialize_sym_int(s) for s in meta.sizes]
-            strides = [d.deserialize_sym_int(s) for s in meta.strides]
-            described = torch.empty_strided(sizes, strides, dtype=serialize._SERIALIZE_TO_TORCH_DTYPE[meta.dtype],
-                                            device="meta")
-            metas[key] = (meta, described, serialize.deserialize_device(meta.device))
-        _, described, device = metas[key]
-        return FakeTensor(d.fake_tensor_mode, described.detach(), device).requires_grad_(meta.requires_grad)
-
-    d.deserialize_tensor_meta = tensor_meta
-    return d
-
-
-def _deserialize(program: schema.ExportedProgram) -> torch.export.ExportedProgram:
-    """ExportedProgramDeserializer.deserialize with the deserialiser above; b12x archives hold
-    no weights, constants or sample inputs (graph_archive.py refuses any)."""
-    version = program.schema_version
-    if version.major != schema.SCHEMA_VERSION[0] and (version.major, version.minor) != (0, 0):
-        raise serialize.SerializeError(f"schema version {version} is not torch's {schema.SCHEMA_VERSION}")
-    ranges = {name: ValueRanges(serialize._int_to_sympy_int(r.min_val, -int_oo),
-                                serialize._int_to_sympy_int(r.max_val, int_oo))
-              for name, r in program.range_constraints.items()}
-    result = _graph_deserializer().deserialize(program.graph_module, {}, {}, None, ranges)
-    loaded = ep.ExportedProgram(
-        root=result.graph_module, graph=result.graph_module.graph, graph_signature=result.signature,
-        state_dict=result.state_dict, range_constraints=serialize.ExportedProgramDeserializer()
-        .deserialize_range_constraints(ranges, result.names_to_symbols),
-        module_call_graph=result.module_call_graph, example_inputs=result.example_inputs, constants=result.constants,
-        verifiers=[load_verifier(v) for v in program.verifiers])
-    loaded._guards_code = program.guards_code
-    return loaded
+def _stack_entry(item: str) -> tuple[str, tuple[str, str]]:
+    """key, (path, type) of one serialised nn_module_stack entry: "key,path,type", where the path
+    may hold commas inside brackets."""
+    parts, start, depth = [], 0, 0
+    for i, char in enumerate(item):
+        if char in "[(":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(item[start:i])
+            start = i + 1
+    parts.append(item[start:])
+    if len(parts) != 3:
+        raise PackageError(f"nn_module_stack entry {item[:120]!r} is not key,path,type")
+    return parts[0], (parts[1], parts[2])

@@ -15,26 +15,27 @@ import torch
 
 from b12x_toolchain.runtime.errors import PackageError
 from b12x_toolchain.runtime.package.graph_archive import check_archive, check_graph_ops
-from b12x_toolchain.runtime.package.graph_loader import exported_program
 from b12x_toolchain.runtime.parallel.group import NAMESPACE as COLLECTIVES
 
-MEMOISED = "memoised"  # graph_loader.py: repeated work done once
+DIRECT = "direct"  # graph_loader.py: built straight from the checked document
 TORCH = "torch.export.load"  # torch's own deserialiser: kept to compare against (tests, benchmarks)
-LOADERS = (MEMOISED, TORCH)
+LOADERS = (DIRECT, TORCH)
 
 
 class PassGraph:
-    def __init__(self, file: str, data: bytes, loader: str = MEMOISED):
+    def __init__(self, file: str, data: bytes, loader: str = DIRECT):
         if loader not in LOADERS:
             raise ValueError(f"graph loader {loader!r}: expected one of {LOADERS}")
         self.file, self.loader = file, loader
         self._document = check_archive(file, data)
-        self._data = data if loader == TORCH else None  # torch.export.load reads the archive itself
-        self._program = None
+        # The archive is kept until the program is built: torch.export.load reads it, and once a
+        # replay graph is built the parsed document (about 7 times the JSON's size) is dropped.
+        self._data = data
+        self._program = self._replay = None
 
     @property
     def deserialised(self) -> bool:
-        return self._program is not None
+        return self._program is not None or self._replay is not None
 
     @property
     def program(self) -> torch.export.ExportedProgram:
@@ -43,29 +44,56 @@ class PassGraph:
             self._document = self._data = None
         return self._program
 
+    @property
+    def replay(self):
+        """What a session replays: the program's graph module and calling spec (graph_loader.ReplayGraph).
+        Built without described values when the program has not been read (a second or two less
+        before the first token); the program itself, once it has been."""
+        if self._program is not None:
+            return self._program
+        if self._replay is None:
+            if self.loader != DIRECT:
+                return self.program
+            from b12x_toolchain.runtime.package.graph_loader import replay_graph
+
+            self._replay = self._checked(lambda: replay_graph(self._document))
+            self._document = None  # the program, if it is ever read, is built from the archive again
+        return self._replay
+
     def _deserialise(self) -> torch.export.ExportedProgram:
+        if self.loader == DIRECT:
+            # Imported when first used: loading and checking a package builds no graph.
+            from b12x_toolchain.runtime.package.graph_loader import exported_program
+
+            # The archive is checked again if its document was dropped: what is built is what was checked.
+            document = self._document if self._document is not None else check_archive(self.file, self._data)
+            return self._checked(lambda: exported_program(document))
+        return self._checked(lambda: torch.export.load(io.BytesIO(self._data)))
+
+    def _checked(self, build):
+        """What `build()` makes of the checked document, its ops checked again on the built graph."""
         try:
-            if self.loader == MEMOISED:
-                program = exported_program(self._document)
-            else:
-                program = torch.export.load(io.BytesIO(self._data))
+            built = build()
+        except PackageError as exc:
+            raise PackageError(f"{self.file}: {exc}") from None
         except Exception as exc:  # the checks passed it, the deserialiser did not: still bad input
             raise PackageError(f"{self.file}: torch.export could not load it "
                                f"({type(exc).__name__}: {str(exc)[:300]})") from None
-        check_graph_ops(self.file, program.graph)  # the second line: the loaded graph's targets
-        return program
+        check_graph_ops(self.file, built.graph_module.graph)  # the second line: the loaded graph's targets
+        return built
 
     def collective_call(self) -> tuple[str, str] | None:
         """(node name, op) of the first node calling a collective, read without deserialising."""
-        if self._program is not None:
-            nodes = ((n.name, str(n.target)) for n in self._program.graph.nodes if n.op == "call_function")
+        built = self._program if self._program is not None else self._replay
+        if built is not None:
+            nodes = ((n.name, str(n.target)) for n in built.graph_module.graph.nodes if n.op == "call_function")
         else:
             nodes = ((n["name"], n["target"].removeprefix("torch.ops."))
                      for n in self._document["graph_module"]["graph"]["nodes"])
         return next(((name, op) for name, op in nodes if op.startswith(f"{COLLECTIVES}.")), None)
 
 
-def load_graph(file: str, data: bytes, loader: str = MEMOISED) -> torch.export.ExportedProgram:
+def load_graph(file: str, data: bytes, loader: str = DIRECT) -> torch.export.ExportedProgram:
     """One graph archive: its entries and JSON checked first, then deserialised, then its ops
     checked again on the loaded graph. Any refusal is a PackageError naming `file`."""
     return PassGraph(file, data, loader).program

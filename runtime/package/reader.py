@@ -27,7 +27,7 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.conventions import PassEntry, shared_buffers
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.manifest import Manifest
-from b12x_toolchain.runtime.package.pass_graph import MEMOISED, PassGraph, refuse_collectives
+from b12x_toolchain.runtime.package.pass_graph import DIRECT, PassGraph, refuse_collectives
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.parallel.group import bind_group
 from b12x_toolchain.runtime.strict_json import load_document
@@ -251,7 +251,7 @@ def _pass_info(convention: PassEntry, graph: PassGraph) -> PassInfo:
 
 
 def load(path, weights=None, rank: int | None = None, peer_timeout: float | None = None,
-         join_group: bool = True, graph_loader: str = MEMOISED) -> Package:
+         join_group: bool = True, graph_loader: str = DIRECT) -> Package:
     """Load and check a package; `weights` is a checkpoint directory to bind the weights from.
 
     A structural package (external weights) loaded without `weights` can be inspected but

@@ -30,12 +30,12 @@ import contextlib
 import copy
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from b12x_toolchain.passes.kit import PassResult, run_passes
-from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
-from b12x_toolchain.runtime.session.split_encoding_writes import SPLIT_ENCODING_WRITES
+if TYPE_CHECKING:
+    from b12x_toolchain.passes.kit import PassResult
 
 CACHE_ENV = "B12X_COMPILE_CACHE"  # root of the local compile cache (default ~/.cache/b12x/compiled)
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"  # where Inductor reads and writes its caches
@@ -103,4 +103,10 @@ def lower_for_inductor(graph: torch.fx.GraphModule) -> list[PassResult]:
     references (reference_ops.py) and each cache write that encodes becomes the encoding plus
     a byte copy (split_encoding_writes.py). The ops that scatter or select by data stay
     themselves. Returns each pass's result."""
+    # Imported here: the pass kit imports networkx, which a session that compiles nothing
+    # would otherwise import before its first token.
+    from b12x_toolchain.passes.kit import run_passes
+    from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
+    from b12x_toolchain.runtime.session.split_encoding_writes import SPLIT_ENCODING_WRITES
+
     return run_passes(graph, [INLINE_REFERENCES, SPLIT_ENCODING_WRITES], "compiled replay")

@@ -169,11 +169,14 @@ class Session:
             (self.caches if spec.role == "cache" else self.staging)[name] = tensor
 
     def _prepare(self, info) -> dict[int, Bucket]:
-        for node in info.program.graph.nodes:
+        # A compiled pass is traced by Inductor from the program (its values described); a replayed
+        # one needs only the graph module and calling spec (pass_graph.PassGraph.replay).
+        program = info.program if info.name in self.compiled_passes else info.graph.replay
+        for node in program.graph_module.graph.nodes:
             if node.op == "call_function" and node.target == FUSED:
                 args = dict(zip((a.name for a in FUSED._schema.arguments), node.args))
                 check_fused_window(args["history"], args["layout"], args["page_size"], where=f"pass {info.name}")
-        buckets, graph = {}, graph_on(info.program, self.device)
+        buckets, graph = {}, graph_on(program, self.device)
         for rows in (b for b in info.rows_buckets if b <= self.max_rows):
             make = lambda s: torch.zeros(s.resolve({"rows": rows}), dtype=s.torch_dtype, device=self.device)
             inputs = {s.name: make(s) for s in info.inputs if s.role == "input"}
@@ -181,13 +184,13 @@ class Session:
             staging = {s.name: self.staging[s.name][:rows] for s in info.inputs if s.role == "staging"}
             caches = {s.name: self.caches[s.name] for s in info.inputs if s.role == "cache"}
             args, spec = pytree.tree_flatten(((self.weights_for(info), caches, staging, inputs), {}))
-            if spec != info.program.call_spec.in_spec:
+            if spec != program.call_spec.in_spec:
                 raise BufferError(f"pass {info.name}: bound buffers do not match the graph's inputs")
             padding = {name: -1 if name in info.block_tables.values() else 0 for name in inputs}
             padding[info.input_of("slot_ids")] = self.scratch_slot
             # Compiled per bucket: its shapes are static, and its arguments are these tensors.
             runs = CompiledGraph(graph, self.compile_cache) if info.name in self.compiled_passes else graph
-            buckets[rows] = Bucket(rows, inputs, outputs, staging, runs, args, info.program.call_spec.out_spec,
+            buckets[rows] = Bucket(rows, inputs, outputs, staging, runs, args, program.call_spec.out_spec,
                                    padding)
             self.graphs.add(info.name, buckets[rows])
         if not buckets:

@@ -22,6 +22,14 @@ def test_a_session_child_reports_every_phase(fused_path, path):
 
     assert REGISTRY["cold_start"] is cold_start.run
     phases = cold_start._child("session", fused_path, path)
-    assert set(phases) == {"import", "load", "session", "first_token", "after_torch"}
+    assert set(phases) == {"import", "load", "session", "first_token", "after_torch", "after_torch_cpu"}
     assert all(value > 0 for value in phases.values())
     assert phases["after_torch"] < phases["import"] + phases["load"] + phases["session"] + phases["first_token"]
+
+
+def test_a_run_child_reports_wall_and_cpu_time_after_torch(fused_path):
+    from benchmarks import cold_start
+
+    phases = cold_start._child("run", fused_path, "new")
+    assert set(phases) == {"import", "command", "after_torch", "after_torch_cpu"}
+    assert all(value > 0 for value in phases.values())

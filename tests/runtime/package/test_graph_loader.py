@@ -1,7 +1,12 @@
-"""The memoised graph loader gives the graphs torch.export.load gives, and only the passes used
-are deserialised."""
+"""The graph loader (built straight from the checked JSON) gives the graphs torch.export.load
+gives, a session's replay graphs are those graphs without described values, and only the
+passes used are deserialised."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,14 +58,29 @@ def assert_same_program(ours: torch.export.ExportedProgram, theirs: torch.export
     assert [type(v) for v in ours.verifiers] == [type(v) for v in theirs.verifiers], name
 
 
+def assert_same_replay(replay, program: torch.export.ExportedProgram, name: str):
+    """A replay graph: the program's nodes, arguments, metadata, code and calling spec, and no
+    described values (they are what a replay never reads)."""
+    a, b = list(replay.graph_module.graph.nodes), list(program.graph.nodes)
+    assert [(x.name, x.op, x.target, str(x.args), str(x.kwargs)) for x in a] == \
+        [(y.name, y.op, y.target, str(y.args), str(y.kwargs)) for y in b], name
+    assert [x.meta for x in a] == [{k: v for k, v in y.meta.items() if k != "val"} for y in b], name
+    assert replay.graph_module.code == program.graph_module.code, name
+    assert replay.call_spec.in_spec == program.call_spec.in_spec, name
+    assert replay.call_spec.out_spec == program.call_spec.out_spec, name
+
+
 @pytest.mark.parametrize("package", ["fused_path", "dsv4_path"])
 def test_same_graphs_and_bitwise_replays_as_torch_export_load(package, request):
     path = request.getfixturevalue(package)
-    ours, theirs = load(path), load(path, graph_loader=TORCH)
+    ours, described, theirs = load(path), load(path), load(path, graph_loader=TORCH)
     for name in ours.passes:
-        assert_same_program(ours.passes[name].program, theirs.passes[name].program, name)
-    # Every pass and rows bucket on the same random inputs: outputs, staging and caches byte for byte.
+        assert_same_replay(ours.passes[name].graph.replay, theirs.passes[name].program, name)
+        assert_same_program(described.passes[name].program, theirs.passes[name].program, name)
+    # Every pass and rows bucket on the same random inputs: outputs, staging and caches byte for byte
+    # (ours replays the replay graphs: no program of it has been read).
     checks = verify_packages(ours, theirs, seed=3)
+    assert not any(info.graph._program for info in ours.passes.values())
     assert {c.pass_name for c in checks} == set(ours.passes)
     assert all(c.replays for c in checks)
     assert [d for c in checks for d in c.differences] == []
@@ -98,3 +118,40 @@ def test_inspect_summary_deserialises_no_graph(fused_path, monkeypatch):
     result = CliRunner().invoke(main, ["inspect", str(fused_path)])
     assert result.exit_code == 0, result.output
     assert "abi" in result.output
+
+
+FIRST_TOKEN = """
+import sys
+import torch
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.serving.engine import Engine, passes_used
+package = load(sys.argv[1])
+engine = Engine(package.session(slots=1, passes=passes_used(package.passes)))
+engine.submit([[1, 2, 3, 4]])
+engine.step()
+assert engine.finished or engine.active, "no request ran"
+heavy = sorted(m for m in ("torch._dynamo", "torch._export.serde.serialize", "sympy", "networkx") if m in sys.modules)
+print("heavy:", ",".join(heavy))
+"""
+
+
+def test_a_session_to_its_first_token_imports_no_deserialiser_dynamo_sympy_or_networkx(fused_path):
+    """What a replay needs is built without torch's deserialiser (which imports torch._dynamo)
+    and without described values (a ShapeEnv imports torch._dynamo too, and sympy); the pass
+    kit (networkx) is imported only to compile."""
+    done = subprocess.run([sys.executable, "-c", FIRST_TOKEN, str(fused_path)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "heavy: \n" in done.stdout, done.stdout
+
+
+def test_a_program_read_after_the_replay_is_the_full_program(fused_path):
+    package = load(fused_path)
+    graph = package.passes["commit"].graph
+    replay = graph.replay
+    assert graph.deserialised and not any("val" in n.meta for n in replay.graph_module.graph.nodes)
+    assert graph._document is None  # the parsed JSON is not kept beside the replay graph
+    assert graph.collective_call() is None  # read from the replay graph now
+    program = graph.program  # described values and all, from the archive, checked again
+    assert all("val" in n.meta for n in program.graph.nodes if n.op in ("placeholder", "output"))
+    assert graph.replay is program  # once read, the program is what replays
