@@ -25,6 +25,7 @@ from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from b12x_toolchain.runtime.package.weight_binding import load_weights_bytes
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import SMALL, random_tokens, recipe_variant
@@ -243,6 +244,15 @@ def test_package_weight_bytes_are_the_checkpoints(packages, imported, checkpoint
     # Loading keeps the stored formats: the bound weights are the stored bytes too.
     assert all(same_bytes(pkg.weights[name], tensor) for name, tensor in stored.items())
     assert stored["model.layers.1.mlp.experts.down_proj_scale"].dtype == torch.float8_e8m0fnu
+
+
+def test_a_checkpoint_the_recipe_does_not_describe_is_refused_by_name(checkpoint):
+    with pytest.raises(CheckpointError, match=r"^config.json: quantization_config declares a quantized \(fp8\) "
+                                              r"checkpoint, but the recipe expects every weight unquantized"):
+        load_hf_checkpoint(checkpoint[0], Dims.from_recipe(load_recipe("dsv4-tiny")))
+    other_blocks = recipe_variant(load_recipe("dsv4-tiny"), {"weights": release_scheme(32, "none")}, name="x")
+    with pytest.raises(CheckpointError, match=r"weight_block_size \[128, 128\] differs from the recipe's"):
+        load_hf_checkpoint(checkpoint[0], Dims.from_recipe(other_blocks))
 
 
 # --- V4.1 with 32x32 blocks ----------------------------------------------------------------
