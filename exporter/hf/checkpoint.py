@@ -11,6 +11,12 @@ Import is all or nothing: config.json must describe the recipe's model, and the 
 must hold exactly the weights `weight_specs` names, once each, with the recipe's shape
 and dtype. A problem is a `CheckpointError` naming the tensor or config key, what the recipe
 expects and what the checkpoint has.
+
+A quantized checkpoint (config.json's `quantization_config`), or any checkpoint for a
+recipe whose `weights` section stores some weight in another format than fp32, is read
+in its stored formats by release_layout.py: each weight must be stored in the format the
+recipe gives it (FP8 data with its block scales, packed FP4 experts, BF16), and comes back
+as the package stores it, data under the weight's name and scale under `<name>_scale`.
 """
 
 from __future__ import annotations
@@ -28,11 +34,20 @@ from b12x_toolchain.exporter.hf.config import (
     tied_embeddings,
 )
 from b12x_toolchain.exporter.hf.names import Target, target_of
-from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.exporter.hf.release_layout import (
+    BF16,
+    FP4_E2M1,
+    FP32,
+    INT64,
+    NativeFormat,
+    fp8_block,
+    read_release_checkpoint,
+)
+from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, weight_formats, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, read_checkpoint, weight_map
 
-__all__ = ["checkpoint_source", "load_hf_checkpoint"]
+__all__ = ["checkpoint_source", "load_hf_checkpoint", "native_formats"]
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -167,6 +182,8 @@ def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
     except HfConfigError as exc:  # names the file already
         raise CheckpointError(str(exc)) from None
     tied = _check_config(config, d)
+    if weight_formats(d) or "quantization_config" in config:
+        return _load_native(root, d)
     specs = weight_specs(d)
     experts = d.moe.experts
     plan, extra = _plan(weight_map(root), specs, experts)
@@ -182,6 +199,39 @@ def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
         # A copy: safetensors refuses to write two names sharing one storage.
         out[LM_HEAD] = out[EMBED].clone()
     return {name: out[name] for name in specs}
+
+
+def native_formats(d: Dims) -> dict[str, NativeFormat]:
+    """The stored format the recipe gives every weight, as the release reader checks it."""
+    formats = weight_formats(d)
+    out = {}
+    for name, (_, dtype) in logical_specs(d).items():
+        fmt = formats.get(name)
+        if dtype == "int64":
+            out[name] = INT64
+        elif fmt is None:
+            out[name] = FP32
+        elif fmt.kind == "bf16":
+            out[name] = BF16
+        elif fmt.kind == "fp4_e2m1":
+            out[name] = FP4_E2M1
+        else:
+            out[name] = fp8_block(*fmt.block, fmt.scale_encoding)
+    return out
+
+
+def _load_native(root: Path, d: Dims) -> dict[str, torch.Tensor]:
+    """A checkpoint in the formats it ships (release_layout.py): every weight as the recipe stores
+    it, data and scale, nothing decoded; a tensor in another format is refused by name."""
+    shapes = {name: shape for name, (shape, _) in logical_specs(d).items()}
+    checkpoint = read_release_checkpoint(root, native_formats(d), shapes)
+    out = {}
+    for name in shapes:
+        tensor = checkpoint.stacked(name)
+        out[name] = tensor.data
+        if tensor.scale is not None:
+            out[name + SCALE_SUFFIX] = tensor.scale
+    return {name: out[name] for name in weight_specs(d)}
 
 
 def checkpoint_source(directory) -> str:

@@ -114,6 +114,13 @@ class _Fields:
 
 # --- the mapping --------------------------------------------------------------------
 
+def _refuse_quantized(config: dict) -> None:
+    if _given(config, "quantization_config"):
+        raise HfConfigError("quantization_config: recipe from-hf writes no weights section yet; write the formats "
+                            "of the checkpoint's weights in the recipe's `weights` section, then export with "
+                            "--checkpoint, which reads them as stored")
+
+
 def _unsupported(config: dict) -> None:
     """Keys whose only value b12x's V4 model implements; absent means transformers' default, which is it."""
     if _required(config, "model_type") != "deepseek_v4":
@@ -126,9 +133,6 @@ def _unsupported(config: dict) -> None:
         value = config.get(key)
         if value is not None and (value != supported or type(value) is not type(supported)):
             raise HfConfigError(f"{key}: {config[key]!r} is not supported; b12x implements {supported!r} ({why})")
-    if _given(config, "quantization_config"):
-        raise HfConfigError("quantization_config: quantized checkpoints are not supported; b12x exports float32 "
-                            "weights, so dequantize the checkpoint to float32 first")
 
 
 def _rope_head_dim(f: _Fields, head_dim: int) -> int:
@@ -306,7 +310,9 @@ def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
     """The recipe's `deepseek_v4` model fields that config.json fixes, as dotted paths
     (`moe.experts`), and for each path the config key it came from.
 
-    max_seq_len and init_seed are not the checkpoint's to say: they come from elsewhere.
+    max_seq_len and init_seed are not the checkpoint's to say: they come from elsewhere, and
+    neither are the weights' formats (`quantization_config`; the checkpoint import checks
+    them against the recipe's `weights` section).
     """
     _unsupported(config)
     f = _Fields(config)
@@ -391,6 +397,7 @@ def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
     if not isinstance(template, Recipe):
         template = Recipe.model_validate(template)
     base = template.model_dump(mode="json")
+    _refuse_quantized(config)
     flat, _ = model_fields(config)
     model = _nest(flat)
     model["max_seq_len"] = base["model"]["max_seq_len"] if max_seq_len is None else max_seq_len

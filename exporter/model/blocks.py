@@ -17,6 +17,8 @@ from b12x_toolchain.runtime.ops.opset import ops
 
 
 def rms_norm(x, weight, eps):
+    # A bf16 norm weight multiplies in float32, as transformers' float32 model does.
+    weight = weight if weight.dtype == torch.float32 else weight.float()
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
@@ -99,13 +101,13 @@ def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
 # --- attention output (attention itself is the op set's sparse_attention) -------------
 
-def grouped_out(w, a, out, groups):
-    """Grouped low-rank output projection: per head group to o_lora_rank, then mixed."""
+def grouped_out(w, a, out, groups, linear):
+    """Grouped low-rank output projection: per head group to o_lora_rank, then mixed.
+    `linear`: the model's Linears (linears.py)."""
     R, T = out.shape[:2]
     x = out.reshape(R, T, groups, -1)
-    wa = w[a + "o_a_proj.weight"]
-    y = torch.einsum("rtgi,goi->rtgo", x, wa.view(groups, -1, x.shape[-1]))
-    return F.linear(y.flatten(2), w[a + "o_b_proj.weight"])
+    y = linear.grouped(w, a + "o_a_proj.weight", x)
+    return linear(w, a + "o_b_proj.weight", y.flatten(2))
 
 
 # --- hyper-connections -----------------------------------------------------------------
@@ -151,32 +153,37 @@ def _swiglu(gate, up, limit):
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def moe(w, m, x, tokens, v, mesh=None):
+def moe(w, m, x, tokens, v, linear, mesh=None):
     """Routed experts (dense over experts, weights zero where not routed) plus shared ones.
 
     x [R,T,D]; hash layers take their experts from the token-id table `tid2eid`. Across
     ranks (`mesh`, parallel.py) every rank routes over all experts and computes its own
-    experts, or its slice of each; the sum over ranks is the output.
+    experts, or its slice of each; the sum over ranks is the output. Block-scaled experts
+    (`linear`, linears.py) are computed for the chosen experts only.
     """
-    scores = SCORING[v.scoring](F.linear(x, w[m + "gate.weight"]))
+    scores = SCORING[v.scoring](linear(w, m + "gate.weight", x))
     if m + "gate.tid2eid" in w:
         chosen = w[m + "gate.tid2eid"][tokens.long()]
     else:
         chosen = torch.topk(scores + w[m + "gate.e_score_correction_bias"], v.experts_per_token, dim=-1).indices
     picked = scores.gather(-1, chosen)
     picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20) * v.routed_scaling
-    weights = torch.zeros_like(scores).scatter(-1, chosen, picked)  # [R,T,E]
-    local = None if mesh is None else mesh.experts(weights.shape[-1])
-    if local is not None:
-        weights = weights[..., local]
-    gate_up = torch.einsum("rtd,eod->rteo", x, w[m + "experts.gate_up_proj"])
-    gate, up = gate_up.chunk(2, dim=-1)
-    routed = torch.einsum("rtei,edi,rte->rtd", _swiglu(gate, up, v.swiglu_limit), w[m + "experts.down_proj"], weights)
+    local = None if mesh is None else mesh.experts(scores.shape[-1])
+    if linear.quantized(m + "experts.gate_up_proj"):
+        routed = linear.routed(w, m, x, chosen, picked, local, lambda gate, up: _swiglu(gate, up, v.swiglu_limit))
+    else:
+        weights = torch.zeros_like(scores).scatter(-1, chosen, picked)  # [R,T,E]
+        if local is not None:
+            weights = weights[..., local]
+        gate_up = torch.einsum("rtd,eod->rteo", x, linear.value(w, m + "experts.gate_up_proj"))
+        gate, up = gate_up.chunk(2, dim=-1)
+        routed = torch.einsum("rtei,edi,rte->rtd", _swiglu(gate, up, v.swiglu_limit),
+                              linear.value(w, m + "experts.down_proj"), weights)
     if m + "shared_experts.gate_proj.weight" not in w:
         return routed if mesh is None else mesh.reduce(routed)
     s = m + "shared_experts."
-    shared = _swiglu(F.linear(x, w[s + "gate_proj.weight"]), F.linear(x, w[s + "up_proj.weight"]), v.swiglu_limit)
-    shared = F.linear(shared, w[s + "down_proj.weight"])
+    shared = _swiglu(linear(w, s + "gate_proj.weight", x), linear(w, s + "up_proj.weight", x), v.swiglu_limit)
+    shared = linear(w, s + "down_proj.weight", shared)
     if mesh is None or mesh.world_size == 1:
         return routed + shared
     # Split by tensor parallelism, shared experts are summed over ranks too; whole on every rank, once.

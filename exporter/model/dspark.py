@@ -18,6 +18,7 @@ from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.model.blocks import rms_norm, rope
 from b12x_toolchain.exporter.model.cache_io import StagedIO
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
+from b12x_toolchain.exporter.model.linears import as_float32
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
 
@@ -29,12 +30,12 @@ class DSparkDrafter(DraftStages):
         d = self.d
         main = self.c.angles(pos)
         hidden = torch.cat([taps[i].mean(dim=-2) for i in d.target_layer_ids], dim=-1)
-        main_x = rms_norm(F.linear(hidden, w["dspark.main_proj.weight"]), w["dspark.main_norm.weight"], d.eps)
+        main_x = rms_norm(self.c.linear(w, "dspark.main_proj.weight", hidden), w["dspark.main_norm.weight"], d.eps)
         for s in range(d.draft_stages):
             p = f"mtp.{s}."
             x = rms_norm(main_x, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
-            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
+            kv = rope(rms_norm(self.c.linear(w, a + "kv_proj.weight", x), w[a + "kv_norm.weight"], d.eps), main)
             owner = names.stage(s)
             io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format,
                     last_only=False)
@@ -53,10 +54,12 @@ class DSparkDrafter(DraftStages):
                 return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(names.stage(s), kv), visible)
             streams = c.ffn(w, f"mtp.{s}.", c.run_stage(s, w, io, streams, attention), tokens, d.draft_moe)
         logits, h = c.logits(w, "dspark.", streams)
-        confidence = torch.sigmoid(F.linear(h, w["dspark.confidence.weight"], w["dspark.confidence.bias"]))[..., 0]
+        linear = c.linear
+        confidence = torch.sigmoid(linear(w, "dspark.confidence.weight", h, w["dspark.confidence.bias"]))[..., 0]
         rows, prev = [], tokens[:, 0]
         for j in range(d.draft_width):
-            bias = F.linear(F.embedding(prev.long(), w["dspark.markov.embed"]), w["dspark.markov.out.weight"])
+            markov = as_float32(F.embedding(prev.long(), w["dspark.markov.embed"]))
+            bias = linear(w, "dspark.markov.out.weight", markov)
             rows.append(logits[:, j] + bias)
             prev = rows[-1].argmax(dim=-1)
         return {names.output("logits"): torch.stack(rows, dim=1), names.output("confidence"): confidence}

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model import buffer_names
 from b12x_toolchain.exporter.model.blocks import (
@@ -32,6 +31,7 @@ from b12x_toolchain.exporter.model.blocks import (
 )
 from b12x_toolchain.exporter.model.buffers import owned_caches
 from b12x_toolchain.exporter.model.cache_io import _before
+from b12x_toolchain.exporter.model.linears import Linears, as_float32
 from b12x_toolchain.exporter.model.parallel import Mesh
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.package.kinds import KINDS
@@ -81,6 +81,7 @@ class DeepSeekCompute(torch.nn.Module):
         super().__init__()
         self.d = d
         self.mesh = Mesh.of(d, rank)
+        self.linear = Linears(d)  # linear(w, name, x): x by a weight in its stored format
         self.copies = None  # a LayerCopies while a capture copies repeated layers instead of tracing them
 
     # -- positions ----------------------------------------------------------------------
@@ -122,12 +123,13 @@ class DeepSeekCompute(torch.nn.Module):
         post, comb, collapsed = hc_mix(w, p + "attn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
         x = rms_norm(collapsed, w[p + "input_layernorm.weight"], d.eps)
         a = p + "self_attn."
-        q_res = rms_norm(F.linear(x, w[a + "q_a_proj.weight"]), w[a + "q_a_norm.weight"], d.eps)
-        q = F.linear(q_res, w[a + "q_b_proj.weight"]).view(R, T, d.heads // d.tensor, d.head_dim)  # this rank's heads
+        linear = self.linear
+        q_res = rms_norm(linear(w, a + "q_a_proj.weight", x), w[a + "q_a_norm.weight"], d.eps)
+        q = linear(w, a + "q_b_proj.weight", q_res).view(R, T, d.heads // d.tensor, d.head_dim)  # this rank's heads
         if d.v4:  # V4 normalises each query head; V4.1 does not
             q = unit_rms_norm(q, d.eps)
         q = rope(q, angles.heads())
-        kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), angles)
+        kv = rope(rms_norm(linear(w, a + "kv_proj.weight", x), w[a + "kv_norm.weight"], d.eps), angles)
         keys = window_keys(kv)
         if compressed is None:  # window only; the block table and positions are not read without entries
             out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], None, None, pos[:, 0], pos[:, 0], None, 1, "fp32")
@@ -136,7 +138,7 @@ class DeepSeekCompute(torch.nn.Module):
             out = ops.sparse_attention(q, keys, visible, w[a + "sinks"], e.cache, e.new, e.block_table, e.positions,
                                        e.indices, e.ratio, e.fmt)
         out = rope(out, angles.heads().inverse())  # K = V carried RoPE into the output
-        out = self.mesh.tensor_sum(grouped_out(w, a, out.flatten(2), d.o_groups // d.tensor))  # row-parallel O
+        out = self.mesh.tensor_sum(grouped_out(w, a, out.flatten(2), d.o_groups // d.tensor, linear))  # row-parallel O
         return hc_merge(post, comb, out, streams)
 
     def ffn(self, w, p, streams, tokens, moe_dims):
@@ -147,7 +149,7 @@ class DeepSeekCompute(torch.nn.Module):
         def body(streams):
             post, comb, collapsed = hc_mix(w, p + "ffn_hc.", streams, d.hc_iters, d.hc_eps, d.eps)
             y = moe(w, p + "mlp.", rms_norm(collapsed, w[p + "post_attention_layernorm.weight"], d.eps), tokens,
-                    moe_dims, self.mesh)
+                    moe_dims, self.linear, self.mesh)
             return hc_merge(post, comb, y, streams)
 
         if self.copies is None:
@@ -161,10 +163,11 @@ class DeepSeekCompute(torch.nn.Module):
     def logits(self, w, p, streams):
         d = self.d
         h = rms_norm(hc_head(w, p, streams, d.hc_eps, d.eps), w[p + "norm.weight"], d.eps)
-        return self.mesh.gather_last(F.linear(h, w["lm_head.weight"])), h
+        return self.mesh.gather_last(self.linear(w, "lm_head.weight", h)), h
 
     def embed(self, w, tokens):
-        return self.mesh.embed(tokens, w["model.embed_tokens.weight"])
+        # A bf16 table's rows are widened after the lookup: the table itself never is.
+        return as_float32(self.mesh.embed(tokens, w["model.embed_tokens.weight"]))
 
     # -- a target layer, traced once per kind while capturing -----------------------------
 
@@ -227,10 +230,10 @@ class DeepSeekCompute(torch.nn.Module):
         """The normalised latent of the group closing at each position (before RoPE)."""
         d = self.d
         if kind == "direct":
-            return rms_norm(F.linear(x, w[c + "kv_proj.weight"]), w[c + "kv_norm.weight"], d.eps)
+            return rms_norm(self.linear(w, c + "kv_proj.weight", x), w[c + "kv_norm.weight"], d.eps)
         overlap = kind == "csa"
         width = 2 * dim if overlap else dim
-        rows = torch.cat([F.linear(x, w[c + "kv_proj.weight"]), F.linear(x, w[c + "gate_proj.weight"])], dim=-1)
+        rows = torch.cat([self.linear(w, c + "kv_proj.weight", x), self.linear(w, c + "gate_proj.weight", x)], dim=-1)
         span = 2 * ratio if overlap else ratio
         prev = io.state(name, span, rows)
         positions = torch.cat([_before(io.positions, span - 1), pos], dim=1)
@@ -268,7 +271,8 @@ class DeepSeekCompute(torch.nn.Module):
                     index_keys = rope(pooled, start)
                 elif not d.v4:  # V4.1: index keys are a projection of the entry's latent
                     ic = c + "indexer."
-                    index_keys = rope(rms_norm(F.linear(latent, w[ic + "k_proj.weight"]), w[ic + "k_norm.weight"], d.eps),
+                    index_keys = rope(rms_norm(self.linear(w, ic + "k_proj.weight", latent), w[ic + "k_norm.weight"],
+                                               d.eps),
                                       start)
                 else:
                     index_keys = None
@@ -292,9 +296,9 @@ class DeepSeekCompute(torch.nn.Module):
         """
         d = self.d
         R, T = pos.shape
-        q = F.linear(q_res, w[c + "q_b_proj.weight"]).view(R, T, d.index_heads, d.index_head_dim)
+        q = self.linear(w, c + "q_b_proj.weight", q_res).view(R, T, d.index_heads, d.index_head_dim)
         q = rope(q, compress.heads())
-        head_weights = F.linear(x, w[c + "scorer.weights_proj.weight"]) * d.index_heads ** -0.5
+        head_weights = self.linear(w, c + "scorer.weights_proj.weight", x) * d.index_heads ** -0.5
         index_cache, new_keys = shared.index_keys[source]
         keys = (q, head_weights, index_cache, new_keys, block_table, pos[:, 0])
         candidates = shared.candidates.get(source) if layer > d.candidate_source else None

@@ -9,7 +9,6 @@ position for the next pass. Position 0 has no predecessor: its row is never visi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.model.blocks import hc_mix, rms_norm, rope
@@ -45,7 +44,8 @@ class MtpDrafter(DraftStages):
         d = self.d
         e = rms_norm(self.c.embed(w, tokens), w[p + "enorm.weight"], d.eps)
         h = rms_norm(prev_streams, w[p + "hnorm.weight"], d.eps)
-        return F.linear(e, w[p + "e_proj.weight"])[:, :, None, :] + F.linear(h, w[p + "h_proj.weight"])
+        linear = self.c.linear
+        return linear(w, p + "e_proj.weight", e)[:, :, None, :] + linear(w, p + "h_proj.weight", h)
 
     def stored_streams(self, caches, row_ids, stage):
         d = self.d
@@ -64,7 +64,7 @@ class MtpDrafter(DraftStages):
             _, _, collapsed = hc_mix(w, p + "attn_hc.", self.mtp_input(w, p, tokens, prev), d.hc_iters, d.hc_eps, d.eps)
             x = rms_norm(collapsed, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
-            kv = rope(rms_norm(F.linear(x, w[a + "kv_proj.weight"]), w[a + "kv_norm.weight"], d.eps), main)
+            kv = rope(rms_norm(self.c.linear(w, a + "kv_proj.weight", x), w[a + "kv_norm.weight"], d.eps), main)
             owner = names.stage(s)
             io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format,
                     last_only=False)

@@ -24,6 +24,7 @@ import torch
 
 from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.formats.weight_formats import quantize_fp4, quantize_fp8_block
 from b12x_toolchain.runtime.package.weight_format import WeightFormat
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype)
@@ -171,14 +172,11 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
 
     Unlike the `transformers` init (zero sinks and position biases, identity-like mHC),
     every tensor is non-trivial, so a test comparing against the reference exercises it.
-    Drawn as float32 in name order; a bf16 weight is rounded from its draw. Block-scaled
-    formats have no encoder here yet, so they are refused by role.
+    Drawn as float32 in name order whatever the formats, so a seed gives the same model in
+    every format: a bf16 weight is rounded from its draw, a block-scaled one quantized from
+    it (`quantize_stored`), one tensor at a time.
     """
     formats = weight_formats(d)
-    quantized = sorted({role_of(n) for n, f in formats.items() if f.quantized})
-    if quantized:
-        raise ValueError(f"random weights in block-scaled formats are not drawn yet (roles: {', '.join(quantized)}); "
-                         "give a checkpoint, or fp32/bf16 formats")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = {}
     for name, (shape, dtype) in sorted(logical_specs(d).items()):
@@ -196,9 +194,26 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
         else:
             tensor = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
         if name in formats:
-            tensor = tensor.to(getattr(torch, formats[name].data_dtype))
-        out[name] = tensor.to(device)
-    return out
+            stored = quantize_stored(tensor, formats[name])
+            out[name] = stored[0].to(device)
+            if stored[1] is not None:
+                out[name + SCALE_SUFFIX] = stored[1].to(device)
+        else:
+            out[name] = tensor.to(device)
+    return dict(sorted(out.items()))
+
+
+def quantize_stored(tensor: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(data, scale or None): float weights `tensor` in format `fmt`, as weight_specs stores them.
+    Leading axes (routed experts) are quantized one matrix at a time."""
+    if fmt.kind == "fp4_e2m1":
+        return quantize_fp4(tensor)
+    if fmt.kind == "fp8_e4m3":
+        if tensor.dim() == 2:
+            return quantize_fp8_block(tensor, fmt.block, fmt.scale_encoding)
+        pieces = [quantize_stored(matrix, fmt) for matrix in tensor.unbind(0)]
+        return torch.stack([p[0] for p in pieces]), torch.stack([p[1] for p in pieces])
+    return tensor.to(getattr(torch, fmt.data_dtype)), None
 
 
 def weight_shapes(d: Dims) -> dict[str, tuple[int, ...]]:

@@ -52,10 +52,12 @@ def _rank_forward(rank, recipe, tokens):
     return forward(d, rank_weights(whole, d, rank), tokens, rank)
 
 
-def base(recipe):
+def base(recipe, weights=None):
     # History and chunk hold every position, so one prefill call covers the sequence.
-    return recipe_variant(recipe, {**FP32_CACHES, "cache.history": LENGTH + 8, "passes.prefill.chunk": LENGTH,
-                                   "rewrites": []}, name="parallel-base")
+    changes = {**FP32_CACHES, "cache.history": LENGTH + 8, "passes.prefill.chunk": LENGTH, "rewrites": []}
+    if weights:
+        changes["weights"] = weights
+    return recipe_variant(recipe, changes, name="parallel-base")
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +81,19 @@ def one_device(tokens):
 CASES = {"v41-tensor2": ("dsv41-tiny", {"tensor": 2}), "v41-expert2": ("dsv41-tiny", {"expert": 2}),
          "v41-tensor2-expert2": ("dsv41-tiny", {"tensor": 2, "expert": 2}),
          "v4-tensor2-expert2": ("dsv4-tiny", {"tensor": 2, "expert": 2})}  # V4: CSA / HCA layers, MTP drafts
+# V4.1's release formats: FP8 32x32 shards cut on block boundaries, FP4 experts whole per rank.
+V41_RELEASE = {"routed_experts": "fp4_e2m1", "embeddings": "bf16", "head": "bf16", "norms": "bf16",
+               **{role: {"format": "fp8_e4m3", "block": [32, 32], "scale": "ue8m0"}
+                  for role in ("attention", "indexer_query", "shared_experts", "draft_input")}}
+QUANTIZED = {"v41-release-formats-tensor2-expert2": ("dsv41-tiny", {"tensor": 2, "expert": 2}, V41_RELEASE)}
 
 
-@pytest.mark.parametrize("name, mapping", CASES.values(), ids=CASES.keys())
-def test_world_size_2_equals_world_size_1(name, mapping, tokens, one_device):
-    reference = base(load_recipe(name))
+@pytest.mark.parametrize("name, mapping, weights", [(*case, None) for case in CASES.values()] + list(QUANTIZED.values()),
+                         ids=[*CASES, *QUANTIZED])
+def test_world_size_2_equals_world_size_1(name, mapping, weights, tokens, one_device):
+    reference = base(load_recipe(name), weights)
     recipe = recipe_variant(reference, {"parallel": mapping}, name="parallel")
-    expected = one_device(name, reference)
+    expected = one_device(name if weights is None else f"{name} quantized", reference)
     for rank, logits in enumerate(on_ranks(_rank_forward, 2, recipe, tokens)):
         for what, ours, ref in zip(("prefill", "draft"), logits, expected):
             err = (ours - ref).abs().max().item()
