@@ -32,6 +32,7 @@ FP8_CASES = [
     (3, 70, 100, (32, 32), "ue8m0"),
     (1, 64, 96, (32, 32), "fp32"),
     (9, 33, 160, (1, 32), "ue8m0"),
+    (2, 48, 130, (1, 32), "fp32"),
 ]
 # (tokens, top-k, experts, out, in): in is a multiple of 32 (the format); ids repeat.
 FP4_CASES = [(6, 3, 4, 70, 96), (1, 2, 8, 64, 64), (20, 2, 3, 40, 128)]
@@ -172,25 +173,34 @@ def test_fakes_give_float32_shapes_and_capture_as_one_node_each():
 
 
 try:
-    from b12x_toolchain.runtime.ops import triton_quant
+    from b12x_toolchain.runtime.ops import triton_act_quant, triton_quant
 except ImportError:  # no Triton: the references above still run
-    triton_quant = None
+    triton_act_quant = triton_quant = None
 needs_triton = pytest.mark.skipif(triton_quant is None, reason="needs triton")
+# The interpreter runs the FP8 dot; a GPU only from compute capability 8.9.
+runs_fp8_dot = pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+                                  reason="the GPU has no FP8 tensor cores")
 
 
 def _on_device(*tensors):
     return [t.to(DEVICE, copy=True) for t in tensors]
 
 
-@needs_triton
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
-def test_act_quant_kernel_is_bitwise_the_reference():
+def _act_edge_rows():
+    """Rows at mixed magnitudes with a zero group, a NaN and an inf, the last group partial."""
     x = torch.randn(21, 300, generator=_gen(3)) * torch.logspace(-6, 4, 300)
     x[1, :128] = 0.0
     x[2, 140] = float("nan")
     x[3, 299] = float("-inf")
+    return x
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
+def test_act_quant_kernel_is_bitwise_the_reference():
+    x = _act_edge_rows()
     for src in (x, x.to(torch.bfloat16)):
-        got = triton_quant.act_quant_e4m3(*_on_device(src)).cpu()
+        got = triton_act_quant.act_quant_e4m3(*_on_device(src)).cpu()
         want = act_quant_e4m3(src)
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
@@ -206,6 +216,84 @@ def test_fp8_kernel_agrees_with_the_reference(case, rule):
     got = triton_quant.fp8_block_linear(*_on_device(x, weight, scale), *block, rule)
     assert got.dtype == torch.float32 and got.shape == want.shape
     _assert_within_accumulation_order(got, want, _activation(x, rule), decode_fp8_block(weight, scale, block))
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
+def test_act_quant_codes_times_their_scales_are_the_values_bitwise():
+    x = _act_edge_rows()
+    codes, scales = (t.cpu() for t in triton_act_quant.act_quant_codes(*_on_device(x)))
+    assert codes.dtype == torch.uint8 and scales.shape == (21, 3)
+    got = codes.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(128, dim=1)[:, :300]
+    want = act_quant_e4m3(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+    assert scales.isnan().nonzero().tolist() == [[2, 1], [3, 2]]  # the NaN's group and the inf's, no other
+
+
+@needs_triton
+@runs_fp8_dot
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_dot_agrees_with_the_reference(case):
+    # The E4M3 x E4M3 dot with per-step promotion, run wherever this test runs: every
+    # block shape, both scale encodings, edges that split activation groups and K steps.
+    x, weight, scale = _fp8_case(*case, seed=4)
+    block = case[3]
+    want = ops.fp8_block_linear(x, weight, scale, *block, "deepseek")
+    got = triton_quant.fp8_block_linear_by("fp8", *_on_device(x, weight, scale), *block, "deepseek")
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    _assert_within_accumulation_order(got, want, act_quant_e4m3(x), decode_fp8_block(weight, scale, block))
+
+
+@needs_triton
+@runs_fp8_dot
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
+def test_fp8_dot_makes_rows_with_inf_or_nan_nan_as_the_reference_does():
+    x, weight, scale = _fp8_case(4, 40, 300, (32, 32), "ue8m0", seed=5)
+    x[1, 7], x[2, 290] = float("nan"), float("inf")
+    want = ops.fp8_block_linear(x, weight, scale, 32, 32, "deepseek")
+    got = triton_quant.fp8_block_linear_by("fp8", *_on_device(x, weight, scale), 32, 32, "deepseek").cpu()
+    assert bool(want[1:3].isnan().all()) and bool(got[1:3].isnan().all())
+    xa = act_quant_e4m3(x)
+    keep = [0, 3]
+    _assert_within_accumulation_order(got[keep], want[keep], xa[keep], decode_fp8_block(weight, scale, (32, 32)))
+
+
+@needs_triton
+def test_the_fp8_dot_needs_deepseek_activations_and_dots_are_named():
+    x, weight, scale = _fp8_case(2, 32, 64, (32, 32), "ue8m0")
+    with pytest.raises(ValueError, match="the fp8 dot multiplies activations quantized by DeepSeek's rule, not rule 'none'"):
+        triton_quant.fp8_block_linear_by("fp8", x, weight, scale, 32, 32, "none")
+    with pytest.raises(ValueError, match=r"dot 'fp16' is not one of \('fp8', 'bf16', 'fp32'\)"):
+        triton_quant.fp8_block_linear_by("fp16", x, weight, scale, 32, 32, "deepseek")
+
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@needs_triton
+@pytest.mark.parametrize("capability, rule, ue8m0, x_dtype, dot", [
+    # Triton's interpreter: always float32.
+    (None, "deepseek", True, F32, "fp32"), (None, "none", True, BF16, "fp32"),
+    # FP8 tensor cores (Ada 8.9, Hopper 9.0, Blackwell 10.0, 12.0) under DeepSeek's rule, whatever the scales.
+    ((8, 9), "deepseek", True, F32, "fp8"), ((8, 9), "deepseek", False, F32, "fp8"),
+    ((9, 0), "deepseek", False, BF16, "fp8"), ((10, 0), "deepseek", True, BF16, "fp8"),
+    ((12, 0), "deepseek", False, F32, "fp8"),
+    # Without them (Ampere 8.0 and 8.6): bfloat16 where exact (UE8M0 scales), else float32.
+    ((8, 0), "deepseek", True, F32, "bf16"), ((8, 6), "deepseek", False, F32, "fp32"),
+    # Unquantized activations never take the FP8 dot: bfloat16 only for bfloat16 x and UE8M0 scales.
+    ((9, 0), "none", True, BF16, "bf16"), ((9, 0), "none", True, F32, "fp32"),
+    ((9, 0), "none", False, BF16, "fp32"), ((8, 0), "none", True, BF16, "bf16"),
+])
+def test_fp8_linear_dot_is_chosen_by_capability_rule_scales_and_dtype(capability, rule, ue8m0, x_dtype, dot):
+    assert triton_quant.fp8_linear_dot(capability, rule, ue8m0, x_dtype) == dot
+
+
+@needs_triton
+def test_cpu_tensors_take_the_float32_dot():
+    assert triton_quant._capability(torch.zeros(1)) is None
+    with pytest.raises(ValueError, match="activation rule 'e5m2'"):
+        triton_quant.fp8_linear_dot((9, 0), "e5m2", True, F32)
 
 
 @needs_triton
