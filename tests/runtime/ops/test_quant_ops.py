@@ -18,6 +18,7 @@ from b12x_toolchain.runtime.formats.weight_formats import (
     decode_fp8_block,
     quantize_fp4,
     quantize_fp8_block,
+    ue8m0_from,
 )
 from b12x_toolchain.runtime.ops import quant_ops
 from b12x_toolchain.runtime.ops.opset import OPS, ops
@@ -243,6 +244,21 @@ def test_fp8_dot_agrees_with_the_reference(case):
     got = triton_quant.fp8_block_linear_by("fp8", *_on_device(x, weight, scale), *block, "deepseek")
     assert got.dtype == torch.float32 and got.shape == want.shape
     _assert_within_accumulation_order(got, want, act_quant_e4m3(x), decode_fp8_block(weight, scale, block))
+
+
+@needs_triton
+@runs_fp8_dot
+@pytest.mark.parametrize("encoding", ["ue8m0", "fp32"])
+def test_fp8_dot_multiplies_every_finite_e4m3_code_exactly(encoding):
+    # One-hot activations (1.0 is E4M3 256 times 2^-8) pick single weights: each output is
+    # one product, so any code the dot widened wrongly would show. 0x7F and 0xFF are NaN.
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    weight = codes.to(torch.uint8).view(8, 32).view(torch.float8_e4m3fn)
+    scale = torch.full((8, 1), 2.0**-3)
+    scale = ue8m0_from(scale) if encoding == "ue8m0" else scale
+    got = triton_quant.fp8_block_linear_by("fp8", *_on_device(torch.eye(32), weight, scale), 1, 32, "deepseek")
+    assert torch.equal(got.cpu(), decode_fp8_block(weight, scale, (1, 32)).T)
 
 
 @needs_triton
