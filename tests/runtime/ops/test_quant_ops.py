@@ -17,37 +17,20 @@ from b12x_toolchain.runtime.formats.weight_formats import (
     decode_fp4,
     decode_fp8_block,
     quantize_fp4,
-    quantize_fp8_block,
     ue8m0_from,
 )
 from b12x_toolchain.runtime.ops import quant_ops
 from b12x_toolchain.runtime.ops.opset import OPS, ops
+from benchmarks.kernel_cases import FP8_LINEAR_CASES, accumulation_bound, fp8_linear_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RULES = ("none", "deepseek")
-# (rows, out, in, block, scale encoding): the V4 and V4.1 blocks, the row-wise one, edges
-# that are not multiples of the block, a single token.
-FP8_CASES = [
-    (5, 200, 300, (128, 128), "ue8m0"),
-    (17, 96, 256, (128, 128), "fp32"),
-    (3, 70, 100, (32, 32), "ue8m0"),
-    (1, 64, 96, (32, 32), "fp32"),
-    (9, 33, 160, (1, 32), "ue8m0"),
-    (2, 48, 130, (1, 32), "fp32"),
-]
 # (tokens, top-k, experts, out, in): in is a multiple of 32 (the format); ids repeat.
 FP4_CASES = [(6, 3, 4, 70, 96), (1, 2, 8, 64, 64), (20, 2, 3, 40, 128)]
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _fp8_case(rows, n_out, n_in, block, encoding, seed=0):
-    gen = _gen(seed)
-    x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-2, 1, n_in)
-    weight, scale = quantize_fp8_block(torch.randn(n_out, n_in, generator=gen) * 0.05, block, encoding)
-    return x, weight, scale
 
 
 def _fp4_case(tokens, top_k, experts, n_out, n_in, seed=0):
@@ -64,7 +47,7 @@ def _activation(x, rule):
 
 
 def _assert_within_accumulation_order(got, want, xa, w):
-    bound = xa.shape[-1] * 2.0**-23 * (xa.abs().double() @ w.abs().double().T).float()
+    bound = accumulation_bound(xa, w)
     error = (got.cpu() - want).abs()
     assert bool((error <= bound).all()), f"max error {error.max().item():.3g}, bound there {bound.flatten()[error.argmax()]:.3g}"
 
@@ -72,10 +55,10 @@ def _assert_within_accumulation_order(got, want, xa, w):
 # ---------------------------------------------------------------- references
 
 
-@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("case", FP8_LINEAR_CASES)
 @pytest.mark.parametrize("rule", RULES)
 def test_fp8_reference_is_f_linear_over_the_decoded_weight(case, rule):
-    x, weight, scale = _fp8_case(*case)
+    x, weight, scale = fp8_linear_case(*case)
     block = case[3]
     got = ops.fp8_block_linear(x.view(1, *x.shape), weight, scale, *block, rule)
     want = F.linear(_activation(x, rule), decode_fp8_block(weight, scale, block))
@@ -85,7 +68,7 @@ def test_fp8_reference_is_f_linear_over_the_decoded_weight(case, rule):
 
 @pytest.mark.parametrize("block", [(128, 128), (32, 32), (1, 32)])
 def test_fp8_reference_in_row_chunks_stays_within_1e_6(monkeypatch, block):
-    x, weight, scale = _fp8_case(7, 300, 256, block, "ue8m0")
+    x, weight, scale = fp8_linear_case(7, 300, 256, block, "ue8m0")
     whole = ops.fp8_block_linear(x, weight, scale, *block, "none")
     monkeypatch.setattr(quant_ops, "DECODE_CHUNK_ELEMENTS", 256 * 40)  # chunks of 40 rows or one block row
     decoded = []
@@ -131,7 +114,7 @@ def test_fp4_reference_decodes_only_the_named_experts_one_at_a_time(monkeypatch)
 
 
 @pytest.mark.parametrize("op, args", [
-    ("fp8_block_linear", lambda: (*_fp8_case(2, 32, 64, (32, 32), "ue8m0"), 32, 32)),
+    ("fp8_block_linear", lambda: (*fp8_linear_case(2, 32, 64, (32, 32), "ue8m0"), 32, 32)),
     ("fp4_expert_linear", lambda: _fp4_case(2, 1, 2, 32, 64)),
 ])
 def test_an_unknown_activation_rule_is_refused_by_name(op, args):
@@ -140,7 +123,7 @@ def test_an_unknown_activation_rule_is_refused_by_name(op, args):
 
 
 def test_mismatched_inputs_are_refused():
-    x, weight, scale = _fp8_case(2, 32, 64, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(2, 32, 64, (32, 32), "ue8m0")
     with pytest.raises(ValueError, match="x has 63 features but the weight takes 64"):
         ops.fp8_block_linear(x[:, :63], weight, scale, 32, 32, "none")
     with pytest.raises(ValueError, match=r"FP8 block \(128, 32\) is not one of"):
@@ -153,7 +136,7 @@ def test_mismatched_inputs_are_refused():
 
 
 def test_fakes_give_float32_shapes_and_capture_as_one_node_each():
-    x, weight, scale = _fp8_case(3, 40, 64, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(3, 40, 64, (32, 32), "ue8m0")
     xe, ids, w4, s4 = _fp4_case(3, 2, 4, 24, 64)
     meta = [t.to("meta") for t in (x, weight, scale, xe, ids, w4, s4)]
     y = ops.fp8_block_linear(meta[0].view(1, 3, 64), meta[1], meta[2], 32, 32, "deepseek")
@@ -208,10 +191,10 @@ def test_act_quant_kernel_is_bitwise_the_reference():
 
 
 @needs_triton
-@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("case", FP8_LINEAR_CASES)
 @pytest.mark.parametrize("rule", RULES)
 def test_fp8_kernel_agrees_with_the_reference(case, rule):
-    x, weight, scale = _fp8_case(*case, seed=1)
+    x, weight, scale = fp8_linear_case(*case, seed=1)
     block = case[3]
     want = ops.fp8_block_linear(x, weight, scale, *block, rule)
     got = triton_quant.fp8_block_linear(*_on_device(x, weight, scale), *block, rule)
@@ -234,11 +217,11 @@ def test_act_quant_codes_times_their_scales_are_the_values_bitwise():
 
 @needs_triton
 @runs_fp8_dot
-@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("case", FP8_LINEAR_CASES)
 def test_fp8_dot_agrees_with_the_reference(case):
     # The E4M3 x E4M3 dot with per-step promotion, run wherever this test runs: every
     # block shape, both scale encodings, edges that split activation groups and K steps.
-    x, weight, scale = _fp8_case(*case, seed=4)
+    x, weight, scale = fp8_linear_case(*case, seed=4)
     block = case[3]
     want = ops.fp8_block_linear(x, weight, scale, *block, "deepseek")
     got = triton_quant.fp8_block_linear_by("fp8", *_on_device(x, weight, scale), *block, "deepseek")
@@ -265,7 +248,7 @@ def test_fp8_dot_multiplies_every_finite_e4m3_code_exactly(encoding):
 @runs_fp8_dot
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
 def test_fp8_dot_makes_rows_with_inf_or_nan_nan_as_the_reference_does():
-    x, weight, scale = _fp8_case(4, 40, 300, (32, 32), "ue8m0", seed=5)
+    x, weight, scale = fp8_linear_case(4, 40, 300, (32, 32), "ue8m0", seed=5)
     x[1, 7], x[2, 290] = float("nan"), float("inf")
     want = ops.fp8_block_linear(x, weight, scale, 32, 32, "deepseek")
     got = triton_quant.fp8_block_linear_by("fp8", *_on_device(x, weight, scale), 32, 32, "deepseek").cpu()
@@ -277,7 +260,7 @@ def test_fp8_dot_makes_rows_with_inf_or_nan_nan_as_the_reference_does():
 
 @needs_triton
 def test_the_fp8_dot_needs_deepseek_activations_and_dots_are_named():
-    x, weight, scale = _fp8_case(2, 32, 64, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(2, 32, 64, (32, 32), "ue8m0")
     with pytest.raises(ValueError, match="the fp8 dot multiplies activations quantized by DeepSeek's rule, not rule 'none'"):
         triton_quant.fp8_block_linear_by("fp8", x, weight, scale, 32, 32, "none")
     with pytest.raises(ValueError, match=r"dot 'fp16' is not one of \('fp8', 'bf16', 'fp32'\)"):
@@ -330,7 +313,7 @@ def test_fp4_kernel_agrees_with_the_reference(case, rule):
 def test_bfloat16_activations_agree():
     # On a GPU these (and DeepSeek-rule activations with UE8M0 weights) take the bfloat16
     # dot; in the interpreter every case takes the float32 one.
-    x, weight, scale = _fp8_case(4, 64, 128, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(4, 64, 128, (32, 32), "ue8m0")
     x = x.to(torch.bfloat16)
     want = ops.fp8_block_linear(x, weight, scale, 32, 32, "none")
     got = triton_quant.fp8_block_linear(*_on_device(x, weight, scale), 32, 32, "none")
@@ -351,7 +334,7 @@ def test_expert_tiles_cover_every_row_once_within_the_static_bound():
 @needs_triton
 @pytest.mark.parametrize("rule", RULES)
 def test_no_tokens_give_empty_results(rule):
-    x, weight, scale = _fp8_case(0, 40, 64, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(0, 40, 64, (32, 32), "ue8m0")
     xe, ids, w4, s4 = _fp4_case(1, 2, 3, 24, 64)
     xe, ids = xe[:0], ids[:0]
     for fp8 in (ops.fp8_block_linear, triton_quant.fp8_block_linear):
