@@ -341,3 +341,24 @@ def test_no_tokens_give_empty_results(rule):
         assert fp8(x, weight, scale, 32, 32, rule).shape == (0, 40)
     for fp4 in (ops.fp4_expert_linear, triton_quant.fp4_expert_linear):
         assert fp4(xe, ids, w4, s4, rule).shape == (0, 2, 24)
+
+
+# ---------------------------------------------------------------- gpu_check's FP8 linear rows
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU dry run of the rows")
+def test_gpu_check_fp8_linear_rows_run_both_dots_and_can_fail(monkeypatch):
+    from benchmarks import gpu_check
+
+    spec = FP8_LINEAR_CASES[3]
+    monkeypatch.setattr(gpu_check, "RESULTS", [])
+    gpu_check.fp8_linears("cpu", specs=[spec])  # the launchers, in the interpreter
+    name = "fp8 linear 1x64x96 32x32 fp32"
+    assert [(c.name, c.ok) for c in gpu_check.RESULTS] == [(f"{name} fp8 dot", True), (f"{name} fp32 dot", True)]
+
+    run = triton_quant.fp8_block_linear_by
+    monkeypatch.setattr(triton_quant, "fp8_block_linear_by", lambda *args: run(*args) * (1 + 2.0**-10))
+    monkeypatch.setattr(gpu_check, "RESULTS", [])
+    gpu_check.fp8_linears("cpu", specs=[spec])
+    assert [c.ok for c in gpu_check.RESULTS] == [False, False]
