@@ -168,6 +168,7 @@ def fp8_block_linear_by(dot: str, x: torch.Tensor, weight: torch.Tensor, scale: 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_m: int, block_n: int,
                      act_rule: str) -> torch.Tensor:
+    """The op on x's device by the dot `fp8_linear_dot` picks for it."""
     dot = fp8_linear_dot(_capability(x), act_rule, scale.dtype == torch.float8_e8m0fnu, x.dtype)
     return fp8_block_linear_by(dot, x, weight, scale, block_m, block_n, act_rule)
 

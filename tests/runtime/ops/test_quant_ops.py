@@ -311,8 +311,8 @@ def test_fp4_kernel_agrees_with_the_reference(case, rule):
 
 @needs_triton
 def test_bfloat16_activations_agree():
-    # On a GPU these (and DeepSeek-rule activations with UE8M0 weights) take the bfloat16
-    # dot; in the interpreter every case takes the float32 one.
+    # On a GPU these take the bfloat16 dot (as DeepSeek-rule activations with UE8M0 weights
+    # do where there is no FP8 MMA); in the interpreter every case takes the float32 one.
     x, weight, scale = fp8_linear_case(4, 64, 128, (32, 32), "ue8m0")
     x = x.to(torch.bfloat16)
     want = ops.fp8_block_linear(x, weight, scale, 32, 32, "none")
