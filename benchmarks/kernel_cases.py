@@ -1,7 +1,8 @@
 """Inputs for byte-equality checks of the cache writers: random rows plus the edge vectors.
 
-Shared by the kernel tests (CPU, Triton interpreter) and `gpu_check.py` (GPU), so both
-compare the same cases. Nothing here is a benchmark; it only builds tensors.
+Also the sparse ops' cases and the FP8 linears' (with the float32 bound their kernels
+are held to). Shared by the kernel tests (CPU, Triton interpreter) and `gpu_check.py`
+(GPU), so both compare the same cases. Nothing here is a benchmark; it only builds tensors.
 """
 
 from __future__ import annotations
