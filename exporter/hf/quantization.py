@@ -30,7 +30,7 @@ FP8_ROLES = ("attention", "indexer_query", "shared_experts", "draft_input")
 BF16_ROLES = ("embeddings", "head", "compressor", "router", "norms")
 # draft_heads (DSpark's) are in no DeepSeek release; the section leaves them fp32.
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default when weight_block_size is absent
-FP4 = WeightFormat("fp4_e2m1", FP4_BLOCK, "ue8m0")
+FP4_E2M1 = WeightFormat("fp4_e2m1", FP4_BLOCK, "ue8m0")
 BF16 = WeightFormat("bf16")
 
 
@@ -84,7 +84,7 @@ def release_role_formats(block: tuple[int, int], scale_encoding: str, experts: s
     Roles left out stay fp32."""
     linear = WeightFormat("fp8_e4m3", block, scale_encoding)
     out = {role: linear for role in FP8_ROLES}
-    out["routed_experts"] = FP4 if experts == "fp4" else linear
+    out["routed_experts"] = FP4_E2M1 if experts == "fp4" else linear
     out.update({role: BF16 for role in BF16_ROLES})
     return out
 

@@ -72,7 +72,13 @@ from safetensors import safe_open
 
 from b12x_toolchain.exporter.hf.config import CONFIG, HfConfigError, read_config
 from b12x_toolchain.exporter.hf.names import Target, target_of
-from b12x_toolchain.exporter.hf.quantization import FP4, Quantization, read_quantization, release_role_formats
+from b12x_toolchain.exporter.hf.quantization import (
+    BF16,
+    FP4_E2M1,
+    Quantization,
+    read_quantization,
+    release_role_formats,
+)
 from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, weight_map
 from b12x_toolchain.runtime.package.weight_format import FP4_BLOCK, FP32, WeightFormat
@@ -81,7 +87,6 @@ __all__ = ["BF16", "FP32", "FP4_E2M1", "INT64", "NativeTensor", "Quantization", 
            "read_release_checkpoint", "release_formats", "stack_experts"]
 
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
-FP4_E2M1, BF16 = FP4, WeightFormat("bf16")
 # The hash-routing table is an integer tensor, not a stored format: the reader expects it by its
 # logical dtype, and `expected` maps it to this string where every other weight has a WeightFormat.
 INT64 = "int64"
