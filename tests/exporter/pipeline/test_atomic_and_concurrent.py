@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import signal
 import subprocess
 import sys
@@ -14,19 +15,34 @@ import pytest
 import torch
 import yaml
 
+from b12x_toolchain.exporter.pipeline import export as export_module
 from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.pipeline.pass_export import run_jobs
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.speculative import Decoder
 
 pytestmark = pytest.mark.slow(minutes=3.5)  # the module's time on two busy cores: longest runs first
 
 # The child exports the small recipe; fsync is slowed so the kill can land mid-write,
-# and it announces each phase on stdout so the parent knows what it interrupted.
+# and it announces each phase on stdout so the parent knows what it interrupted. What is
+# killed is the package's writing, so the child takes its captured passes from the parent
+# (pickled pass outputs, `recorded_passes`) instead of tracing them again for a minute.
 CHILD = textwrap.dedent("""
-    import os, sys, time
-    from b12x_toolchain.exporter.pipeline import package_writer
-    from b12x_toolchain.exporter.pipeline.export import export_package
+    import os, pickle, sys, time
+    from b12x_toolchain.exporter.pipeline import export as export_module, package_writer
+    from b12x_toolchain.exporter.pipeline import export as export_module
+from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.pipeline.pass_export import run_jobs
     from b12x_toolchain.exporter.recipe.loader import load_recipe
+
+    with open(sys.argv[3], "rb") as f:
+        recorded = pickle.load(f)
+    def replay_jobs(jobs, workers, on_start=None, on_done=None):
+        for job in jobs:
+            on_start(job.label)
+            on_done(recorded[job.label])
+        return {job.label: recorded[job.label] for job in jobs}
+    export_module.run_jobs = replay_jobs
 
     real_fsync = os.fsync
     def slow_fsync(fd):
@@ -40,6 +56,30 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def recorded_passes(small_recipe, tmp_path_factory):
+    """The small recipe's pass outputs, exported here and pickled for the child."""
+    recorded = {}
+
+    def recording(jobs, workers, on_start=None, on_done=None):
+        outputs = run_jobs(jobs, workers, on_start, on_done)
+        recorded.update(outputs)
+        return outputs
+
+    folder = tmp_path_factory.mktemp("recorded")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export_module, "run_jobs", recording)
+        export_package(small_recipe, folder / "out")
+    path = folder / "passes.pickle"
+    path.write_bytes(pickle.dumps(recorded))
+    return path
+
+
+def _child(recipe, out, recorded_passes):
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(recipe), str(out), str(recorded_passes)],
+                            stdout=subprocess.PIPE, text=True)
+
+
 def _package_state(out_dir):
     final = out_dir / "dsv41-small.b12x"
     if not final.exists():
@@ -49,12 +89,11 @@ def _package_state(out_dir):
 
 
 @pytest.mark.parametrize("phase, writes", [("capturing", 0), ("writing", 0), ("writing", 5)])  # 6 files: 5 = the manifest
-def test_export_killed_mid_way_leaves_no_partial_package(small_recipe, tmp_path, phase, writes):
+def test_export_killed_mid_way_leaves_no_partial_package(small_recipe, recorded_passes, tmp_path, phase, writes):
     recipe = tmp_path / "small.yaml"
     recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
     out = tmp_path / "out"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(recipe), str(out)],
-                             stdout=subprocess.PIPE, text=True)
+    child = _child(recipe, out, recorded_passes)
     seen = 0
     for line in child.stdout:
         if line.strip() == phase:
@@ -72,13 +111,13 @@ def test_export_killed_mid_way_leaves_no_partial_package(small_recipe, tmp_path,
     assert _package_state(out) == "complete"
 
 
-def test_export_killed_while_replacing_keeps_the_old_package_loadable(small_recipe, tmp_path):
+def test_export_killed_while_replacing_keeps_the_old_package_loadable(small_recipe, recorded_passes, tmp_path):
     """Re-export over an existing package: at every moment the final name is absent or whole."""
     recipe = tmp_path / "small.yaml"
     recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
     out = tmp_path / "out"
     export_package(small_recipe, out)  # in this process: only the killed export needs a child
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(recipe), str(out)], stdout=subprocess.PIPE, text=True)
+    child = _child(recipe, out, recorded_passes)
     for line in child.stdout:
         if line.strip() == "writing":
             break
