@@ -26,7 +26,13 @@ passed. Checks, for the tiny recipe and the full-size window writer shapes:
   within 1e-5; then at committed lengths 1k / 4k / 16k in one capacity (block tables for
   16k + 64 entries, 64 per page): identical again (scores built exact, so rounding cannot
   decide a choice), and each op captured in a CUDA graph (no host sync) and timed at the
-  full model's shapes, where time must follow the length.
+  full model's shapes, where time must follow the length;
+* `fp8_block_linear` under DeepSeek's activation rule on the test suite's cases
+  (`kernel_cases.FP8_LINEAR_CASES`) and the full model's q_a projection: the FP8
+  tensor-core dot (compute capability 8.9 and up) and the dot taken without it, each
+  within the tests' accumulation-order bound of the CPU reference (the detail gives the
+  worst element's share of its bound), the dispatched op equal to the chosen dot, and
+  the full-size cases timed by dot in CUDA graphs.
 
 `--device cpu` runs what it can on the CPU (kernels in Triton's interpreter, sessions
 without capture); it checks this script, and proves nothing about a GPU.
@@ -302,6 +308,55 @@ def sparse_timing() -> None:
             # Attention over listed ids reads SPARSE_TOPK entries at any length: informational.
             record(f"sparse cost follows length: {name}", None if name == "attention top-k" else growth > 2.0,
                    f"{long // 1024}k / {short // 1024}k committed: {growth:.1f}x the time, same capacity")
+
+
+# ---------------------------------------------------------------- quantized linears
+
+
+def fp8_linears(device: str, specs=None) -> None:
+    """`fp8_block_linear` under DeepSeek's activation rule against the CPU reference, by each
+    dot: the FP8 tensor-core one where the device has FP8 MMA, and the one taken without.
+
+    Each must stay within the accumulation-order bound of the tests (the detail says how
+    much of it the worst element uses); on CUDA the op through the dispatcher must equal
+    the dot `fp8_linear_dot` picks, and the full-size cases are timed by dot.
+    """
+    import torch
+
+    from b12x_toolchain.runtime.formats.weight_formats import act_quant_e4m3, decode_fp8_block
+    from b12x_toolchain.runtime.ops import triton_quant
+    from b12x_toolchain.runtime.ops.opset import ops as R
+    from benchmarks.kernel_cases import FP8_LINEAR_CASES, FP8_LINEAR_FULL, accumulation_bound, fp8_linear_case
+
+    capability = torch.cuda.get_device_capability() if device == "cuda" else None
+    has_fp8 = capability is None or capability >= triton_quant.FP8_MMA_CAPABILITY  # the interpreter runs it
+    for spec in specs or FP8_LINEAR_CASES + (FP8_LINEAR_FULL if device == "cuda" else []):
+        rows, n_out, n_in, block, encoding = spec
+        x, weight, scale = fp8_linear_case(*spec)
+        want = R.fp8_block_linear(x, weight, scale, *block, "deepseek")
+        bound = accumulation_bound(act_quant_e4m3(x), decode_fp8_block(weight, scale, block))
+        args = [t.to(device, copy=True) for t in (x, weight, scale)]
+        name = f"fp8 linear {rows}x{n_out}x{n_in} {block[0]}x{block[1]} {encoding}"
+        # What a device without FP8 MMA takes (Ampere's 8.0; the float32 dot in the interpreter).
+        without = triton_quant.fp8_linear_dot(capability and (8, 0), "deepseek", encoding == "ue8m0", x.dtype)
+        got = {}
+        for dot in (["fp8"] if has_fp8 else []) + [without]:
+            def call(dot=dot):
+                return triton_quant.fp8_block_linear_by(dot, *args, *block, "deepseek")
+
+            got[dot] = call().cpu()
+            error = (got[dot] - want).abs()
+            share = (error / bound.clamp_min(torch.finfo(torch.float32).tiny)).max().item()
+            record(f"{name} {dot} dot", bool((error <= bound).all()),
+                   f"max error {error.max().item():.2e}; the worst element uses {share:.3f} of its bound")
+            if device == "cuda" and spec in FP8_LINEAR_FULL:
+                record(f"{name} {dot} dot time", None, f"{_graph_seconds(call) * 1e6:,.1f} us per call in a CUDA graph")
+        if not has_fp8:
+            record(f"{name} fp8 dot", None, f"not run: compute capability {capability} has no FP8 MMA")
+        if device == "cuda":
+            chosen = triton_quant.fp8_linear_dot(capability, "deepseek", encoding == "ue8m0", x.dtype)
+            dispatched = torch.ops.b12x_toolchain.fp8_block_linear(*args, *block, "deepseek").cpu()
+            record(f"{name} dispatcher", torch.equal(dispatched, got[chosen]), f"the op is the {chosen} dot bit for bit")
 
 
 # ---------------------------------------------------------------- sessions
@@ -620,7 +675,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment(args.device)
     print("environment:", json.dumps(env), flush=True)
-    for part in (kernel_bytes, sparse_kernels, mhc_kernel, sessions):
+    for part in (kernel_bytes, sparse_kernels, mhc_kernel, fp8_linears, sessions):
         part(args.device)
     if args.device == "cuda":
         bandwidth()

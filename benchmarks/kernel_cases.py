@@ -1,7 +1,8 @@
 """Inputs for byte-equality checks of the cache writers: random rows plus the edge vectors.
 
-Shared by the kernel tests (CPU, Triton interpreter) and `gpu_check.py` (GPU), so both
-compare the same cases. Nothing here is a benchmark; it only builds tensors.
+Also the sparse ops' cases and the FP8 linears' (with the float32 bound their kernels
+are held to). Shared by the kernel tests (CPU, Triton interpreter) and `gpu_check.py`
+(GPU), so both compare the same cases. Nothing here is a benchmark; it only builds tensors.
 """
 
 from __future__ import annotations
@@ -225,3 +226,43 @@ def attention_args(case: dict, indices=None, entries: bool = True) -> tuple:
     return (case["q"], case["window"], case["window_visible"], case["sinks"],
             case["entry_cache"] if entries else None, case["new_entries"] if entries else None,
             case["block_table"], case["positions"], indices, case["ratio"], case["fmt"])
+
+
+# ---------------------------------------------------------------- quantized linears (quant_ops.py)
+
+# (rows, out, in, block, scale encoding): every block shape under both scale encodings,
+# edges that are not multiples of the block, of the 128-channel activation group or of a
+# K step, and a single token.
+FP8_LINEAR_CASES = [
+    (5, 200, 300, (128, 128), "ue8m0"),
+    (17, 96, 256, (128, 128), "fp32"),
+    (3, 70, 100, (32, 32), "ue8m0"),
+    (1, 64, 96, (32, 32), "fp32"),
+    (9, 33, 160, (1, 32), "ue8m0"),
+    (2, 48, 130, (1, 32), "fp32"),
+]
+# The full V4.1 model's q_a projection (hidden 5120 -> q rank 1536) at verify width 8: a
+# long K, where how precisely the hardware sums each step shows.
+FP8_LINEAR_FULL = [(8, 1536, 5120, (32, 32), "ue8m0"), (8, 1536, 5120, (128, 128), "fp32")]
+
+
+def fp8_linear_case(rows: int, n_out: int, n_in: int, block: tuple[int, int], encoding: str, seed: int = 0):
+    """(x [rows, in] float32, E4M3 weight [out, in], scale) of random weights quantized in `block`s.
+
+    x spans three decades across its channels, so activation groups get different scales.
+    """
+    from b12x_toolchain.runtime.formats.weight_formats import quantize_fp8_block
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-2, 1, n_in)
+    weight, scale = quantize_fp8_block(torch.randn(n_out, n_in, generator=gen) * 0.05, block, encoding)
+    return x, weight, scale
+
+
+def accumulation_bound(xa: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Elementwise K * 2^-23 * (|xa| @ |w|.T): twice the worst-case float32 error of a dot of K terms.
+
+    Two float32 computations of xa @ w.T that differ only in summation order (and in
+    where an exact scale multiplies) are at most this far apart.
+    """
+    return xa.shape[-1] * 2.0**-23 * (xa.abs().double() @ w.abs().double().T).float()

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     # be chosen before any kernel module is imported (decoration reads it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from b12x_toolchain.exporter.pipeline import trace_cache
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime import load
@@ -41,6 +42,12 @@ def _module_minutes(item) -> float:
 def _costly_module(module) -> bool:
     source = Path(module.__file__).read_text()
     return any(call in source for call in COSTLY_CALLS)
+
+
+def pytest_configure(config):
+    # Tests export the same toy passes over and over (other weights, unfused, other folders):
+    # each worker traces a pass once and copies it after (exporter/pipeline/trace_cache.py).
+    trace_cache.reuse_traces()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,8 +24,10 @@ _Dumper.add_representer(list, _represent_list)
 
 
 def recipe_text(doc: dict, config_label: str, template_name: str) -> str:
+    weights = ("# The weights section from its quantization_config: the formats its checkpoint stores.\n"
+               if "weights" in doc else "")
     header = (f"# Made by `b12x recipe from-hf` from {config_label}: the model from that config,\n"
-              f"# max_seq_len, init_seed, cache, passes and rewrites from recipe {template_name}.\n")
+              f"# max_seq_len, init_seed, cache, passes and rewrites from recipe {template_name}.\n{weights}")
     return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120)
 
 
@@ -42,7 +44,12 @@ def recipe():
 @click.option("--max-seq-len", type=click.IntRange(min=1), help="Replace the template's max_seq_len.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write here instead of to stdout.")
 def from_hf(config_json, template, name, max_seq_len, out_file):
-    """Make a deepseek_v4 recipe from a Hugging Face DeepSeek V4 CONFIG_JSON (or its directory)."""
+    """Make a deepseek_v4 recipe from a Hugging Face DeepSeek V4 CONFIG_JSON (or its directory).
+
+    A quantized config.json (DeepSeek's FP8 quantization_config, FP4 routed experts) also
+    gives the recipe's weights section, so `export --checkpoint` reads the checkpoint as
+    stored; a quantization b12x cannot represent is refused, naming the key.
+    """
     from b12x_toolchain.exporter.hf.config import HfConfigError, read_config, recipe_from_hf_config, recipe_name
     from b12x_toolchain.exporter.recipe.loader import RecipeError, load_recipe, parse_recipe
 

@@ -34,20 +34,13 @@ from b12x_toolchain.exporter.hf.config import (
     tied_embeddings,
 )
 from b12x_toolchain.exporter.hf.names import Target, target_of
-from b12x_toolchain.exporter.hf.release_layout import (
-    BF16,
-    FP4_E2M1,
-    FP32,
-    INT64,
-    NativeFormat,
-    fp8_block,
-    read_release_checkpoint,
-)
+from b12x_toolchain.exporter.hf.release_layout import INT64, read_release_checkpoint
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, weight_formats, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, read_checkpoint, weight_map
+from b12x_toolchain.runtime.package.weight_format import FP32
 
-__all__ = ["checkpoint_source", "load_hf_checkpoint", "native_formats"]
+__all__ = ["checkpoint_source", "load_hf_checkpoint"]
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -201,30 +194,15 @@ def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
     return {name: out[name] for name in specs}
 
 
-def native_formats(d: Dims) -> dict[str, NativeFormat]:
-    """The stored format the recipe gives every weight, as the release reader checks it."""
-    formats = weight_formats(d)
-    out = {}
-    for name, (_, dtype) in logical_specs(d).items():
-        fmt = formats.get(name)
-        if dtype == "int64":
-            out[name] = INT64
-        elif fmt is None:
-            out[name] = FP32
-        elif fmt.kind == "bf16":
-            out[name] = BF16
-        elif fmt.kind == "fp4_e2m1":
-            out[name] = FP4_E2M1
-        else:
-            out[name] = fp8_block(*fmt.block, fmt.scale_encoding)
-    return out
-
-
 def _load_native(root: Path, d: Dims) -> dict[str, torch.Tensor]:
     """A checkpoint in the formats it ships (release_layout.py): every weight as the recipe stores
     it, data and scale, nothing decoded; a tensor in another format is refused by name."""
-    shapes = {name: shape for name, (shape, _) in logical_specs(d).items()}
-    checkpoint = read_release_checkpoint(root, native_formats(d), shapes)
+    logical, formats = logical_specs(d), weight_formats(d)
+    shapes = {name: shape for name, (shape, _) in logical.items()}
+    # The recipe's formats as they are; a weight without one is fp32, and the integer
+    # routing table is expected by its dtype, having no format.
+    expected = {name: INT64 if dtype == INT64 else formats.get(name, FP32) for name, (_, dtype) in logical.items()}
+    checkpoint = read_release_checkpoint(root, expected, shapes)
     out = {}
     for name in shapes:
         tensor = checkpoint.stacked(name)

@@ -114,13 +114,6 @@ class _Fields:
 
 # --- the mapping --------------------------------------------------------------------
 
-def _refuse_quantized(config: dict) -> None:
-    if _given(config, "quantization_config"):
-        raise HfConfigError("quantization_config: recipe from-hf writes no weights section yet; write the formats "
-                            "of the checkpoint's weights in the recipe's `weights` section, then export with "
-                            "--checkpoint, which reads them as stored")
-
-
 def _unsupported(config: dict) -> None:
     """Keys whose only value b12x's V4 model implements; absent means transformers' default, which is it."""
     if _required(config, "model_type") != "deepseek_v4":
@@ -311,8 +304,8 @@ def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
     (`moe.experts`), and for each path the config key it came from.
 
     max_seq_len and init_seed are not the checkpoint's to say: they come from elsewhere, and
-    neither are the weights' formats (`quantization_config`; the checkpoint import checks
-    them against the recipe's `weights` section).
+    neither are the weights' formats (`quantization_config`: quantization.py gives the
+    recipe's `weights` section from it, and the checkpoint import checks it against that).
     """
     _unsupported(config)
     f = _Fields(config)
@@ -389,7 +382,9 @@ def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
     passes and the rewrites come from `template` (a Recipe or a recipe document; the
     bundled dsv4-tiny by default). fuse_window_snapshot's expected matches follow the
     new layer count: one window snapshot site per target layer in verify, none in draft.
+    A quantized config (`quantization_config`) gives the `weights` section (quantization.py).
     """
+    from b12x_toolchain.exporter.hf.quantization import weights_section
     from b12x_toolchain.exporter.recipe.loader import Recipe, V4ModelSpec, load_recipe
 
     if template is None:
@@ -397,8 +392,8 @@ def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
     if not isinstance(template, Recipe):
         template = Recipe.model_validate(template)
     base = template.model_dump(mode="json")
-    _refuse_quantized(config)
     flat, _ = model_fields(config)
+    weights = weights_section(config)
     model = _nest(flat)
     model["max_seq_len"] = base["model"]["max_seq_len"] if max_seq_len is None else max_seq_len
     model["init_seed"] = base["model"]["init_seed"]
@@ -407,5 +402,8 @@ def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
     for rewrite in rewrites:
         if rewrite["name"] == "fuse_window_snapshot":
             rewrite["expect_matches"].update(verify=flat["num_layers"], draft=0)
-    return {"recipe_version": 1, "name": name, "model": ordered, "cache": base["cache"],
-            "passes": base["passes"], "rewrites": rewrites}
+    doc = {"recipe_version": 1, "name": name, "model": ordered, "cache": base["cache"],
+           "passes": base["passes"], "rewrites": rewrites}
+    if weights is not None:
+        doc["weights"] = weights
+    return doc

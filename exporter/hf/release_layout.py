@@ -16,11 +16,12 @@ DeepSeek's V4 Instruct release stores, in safetensors shards under its own names
   bias, router bias. The hash-routing table is an integer tensor.
 - config.json: `quantization_config {quant_method: fp8, fmt: e4m3, activation_scheme:
   dynamic, scale_fmt: ue8m0, weight_block_size: [bm, bn]}`; `expert_dtype: fp4` at the top
-  level (V4) or inside `quantization_config` (V4.1).
+  level (V4) or inside `quantization_config` (V4.1); quantization.py parses it.
 
 `read_release_checkpoint` returns each weight of the recipe as a `NativeTensor` — the bytes
 the checkpoint holds plus its scale — under b12x's names, after checking it against the
-format the recipe expects (`NativeFormat`); anything else is a `CheckpointError` naming the
+format the recipe expects (a `WeightFormat`, or the logical dtype int64 of the hash-routing
+table, which is no stored format); anything else is a `CheckpointError` naming the
 stored tensor, the expected format and what the checkpoint has. Routed experts come per
 expert (`ReleaseCheckpoint.experts`); `stack_experts` merges them into b12x's
 `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I] still packed: gate rows
@@ -71,109 +72,65 @@ from safetensors import safe_open
 
 from b12x_toolchain.exporter.hf.config import CONFIG, HfConfigError, read_config
 from b12x_toolchain.exporter.hf.names import Target, target_of
+from b12x_toolchain.exporter.hf.quantization import (
+    BF16,
+    FP4_E2M1,
+    Quantization,
+    read_quantization,
+    release_role_formats,
+)
+from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, weight_map
+from b12x_toolchain.runtime.package.weight_format import FP4_BLOCK, FP32, WeightFormat
 
-__all__ = ["BF16", "FP32", "FP4_E2M1", "INT64", "NativeFormat", "NativeTensor", "Quantization", "ReleaseCheckpoint",
-           "fp8_block", "read_release_checkpoint", "release_formats", "stack_experts"]
+__all__ = ["BF16", "FP32", "FP4_E2M1", "INT64", "NativeTensor", "Quantization", "ReleaseCheckpoint", "describe",
+           "read_release_checkpoint", "release_formats", "stack_experts"]
 
-KINDS = ("fp8_e4m3", "fp4_e2m1", "bf16", "fp32", "int64")
-SCALE_ENCODINGS = ("ue8m0", "fp32")
-FP4_GROUP = 32  # inputs per scale of a packed FP4 row
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+# The hash-routing table is an integer tensor, not a stored format: the reader expects it by its
+# logical dtype, and `expected` maps it to this string where every other weight has a WeightFormat.
+INT64 = "int64"
+Expected = WeightFormat | str  # str: INT64 only
 
-
-@dataclass(frozen=True)
-class NativeFormat:
-    """How one weight is stored: kind, scale block (rows, columns) and scale encoding.
-
-    fp8_e4m3 takes any block and either encoding; fp4_e2m1 is always (1, 32) with UE8M0;
-    bf16, fp32 and int64 have neither.
-    """
-
-    kind: str
-    block: tuple[int, int] | None = None
-    scale_encoding: str | None = None
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"format kind {self.kind!r}: not one of {', '.join(KINDS)}")
-        if self.kind == "fp8_e4m3":
-            if (not isinstance(self.block, tuple) or len(self.block) != 2
-                    or not all(isinstance(b, int) and b > 0 for b in self.block)):
-                raise ValueError(f"fp8_e4m3 block {self.block!r}: not two positive integers")
-            if self.scale_encoding not in SCALE_ENCODINGS:
-                raise ValueError(f"fp8_e4m3 scale encoding {self.scale_encoding!r}: not one of {SCALE_ENCODINGS}")
-        elif self.kind == "fp4_e2m1":
-            if (self.block, self.scale_encoding) != ((1, FP4_GROUP), "ue8m0"):
-                raise ValueError(f"fp4_e2m1 has UE8M0 scales per {FP4_GROUP} inputs (block (1, {FP4_GROUP}), "
-                                 f"ue8m0), not {self.block!r} {self.scale_encoding!r}")
-        elif self.block is not None or self.scale_encoding is not None:
-            raise ValueError(f"{self.kind} has no scale, so no block or scale encoding")
-
-    @property
-    def quantized(self) -> bool:
-        return self.scale_encoding is not None
-
-    def __str__(self) -> str:
-        if self.kind == "fp4_e2m1":
-            return f"fp4_e2m1 (packed int8, ue8m0 scale per {FP4_GROUP} inputs)"
-        if self.kind == "fp8_e4m3":
-            return f"fp8_e4m3 ({self.block[0]}x{self.block[1]} blocks, {self.scale_encoding} scales)"
-        return self.kind
-
-    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The data tensor's shape for a weight of logical `shape` (fp4: two codes a byte)."""
-        return (*shape[:-1], shape[-1] // 2) if self.kind == "fp4_e2m1" else tuple(shape)
-
-    def scale_grid(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-        """Scale tensor shape for a weight of logical `shape`: one per block over the last two
-        dimensions, a partial block at the end counting as one; leading (expert) dimensions kept."""
-        if self.block is None:
-            return None
-        *lead, rows, cols = shape
-        bm, bn = self.block
-        return (*lead, -(-rows // bm), -(-cols // bn))
-
-
-def fp8_block(rows: int = 128, cols: int = 128, scale_encoding: str = "ue8m0") -> NativeFormat:
-    return NativeFormat("fp8_e4m3", (rows, cols), scale_encoding)
-
-
-FP4_E2M1 = NativeFormat("fp4_e2m1", (1, FP4_GROUP), "ue8m0")
-BF16, FP32, INT64 = NativeFormat("bf16"), NativeFormat("fp32"), NativeFormat("int64")
-
-# The release's formats by b12x name (V4): FP8 linears, FP32 kept tensors, the routing table.
-FP8_LINEARS = re.compile(r"(\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight"
-                         r"|\.self_attn\.compressor\.indexer\.q_b_proj\.weight|\.mlp\.shared_experts\.\w+\.weight"
-                         r"|^mtp\.\d+\.(e_proj|h_proj)\.weight)$")
 ROUTED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# Weights with no role (weight_roles.py): the release keeps them in fp32.
 FP32_KEPT = re.compile(r"(\.sinks|_hc\.(fn|base|scale)|hc_head\.hc_(fn|base|scale)|\.position_bias"
                        r"|\.e_score_correction_bias)$")
-BF16_KEPT = re.compile(r"(^model\.embed_tokens\.weight|^lm_head\.weight|norm\.weight|\.mlp\.gate\.weight"
-                       r"|\.compressor\.(indexer\.)?(kv_proj|gate_proj)\.weight|\.scorer\.weights_proj\.weight)$")
+
+
+def describe(expect: Expected) -> str:
+    """A format in an error message's words."""
+    if isinstance(expect, str):
+        return expect
+    if expect.kind == "fp4_e2m1":
+        return f"fp4_e2m1 (packed int8, ue8m0 scale per {FP4_BLOCK[1]} inputs)"
+    if expect.kind == "fp8_e4m3":
+        return f"fp8_e4m3 ({expect.block[0]}x{expect.block[1]} blocks, {expect.scale_encoding} scales)"
+    return expect.kind
+
+
+def _quantized(expect: Expected) -> bool:
+    return not isinstance(expect, str) and expect.quantized
 
 
 def release_formats(names, *, block: tuple[int, int] = (128, 128), scale_encoding: str = "ue8m0",
-                    experts: str = "fp4") -> dict[str, NativeFormat]:
+                    experts: str = "fp4") -> dict[str, Expected]:
     """The format DeepSeek's V4 release stores each named weight in (b12x names).
 
     block / scale_encoding: the FP8 linears' (128x128 ue8m0 in V4 Instruct, fp32 in
     V4-Base; 32x32 in V4.1); experts: "fp4" (Instruct) or "fp8" (Base, like the linears).
     A name the release's scheme does not place is refused rather than guessed.
     """
-    linear = fp8_block(*block, scale_encoding)
+    by_role = release_role_formats(block, scale_encoding, experts)
     out = {}
     for name in names:
-        if FP8_LINEARS.search(name):
-            out[name] = linear
-        elif ROUTED_EXPERTS.search(name):
-            out[name] = FP4_E2M1 if experts == "fp4" else linear
-        elif FP32_KEPT.search(name):
+        role = role_of(name)
+        if role in by_role:
+            out[name] = by_role[role]
+        elif role is None and FP32_KEPT.search(name):
             out[name] = FP32
         elif name.endswith(".gate.tid2eid"):
             out[name] = INT64
-        elif BF16_KEPT.search(name):
-            out[name] = BF16
         else:
             raise ValueError(f"{name}: not a weight whose format the V4 release fixes")
     return out
@@ -185,34 +142,24 @@ class NativeTensor:
 
     data: float8_e4m3fn (fp8), int8 two codes a byte with the even column low (fp4),
     bfloat16, float32 or int64. scale: float8_e8m0fnu or float32, one per block (None when
-    unquantized). stored: the checkpoint's name for the data tensor.
+    unquantized). format: what the recipe expected, a WeightFormat or INT64. stored: the
+    checkpoint's name for the data tensor.
     """
 
     data: torch.Tensor
     scale: torch.Tensor | None
-    format: NativeFormat
+    format: Expected
     stored: str
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The weight's logical shape (fp4: twice the packed last dimension)."""
         shape = tuple(self.data.shape)
-        return (*shape[:-1], 2 * shape[-1]) if self.format.kind == "fp4_e2m1" else shape
+        return (*shape[:-1], 2 * shape[-1]) if self.format == FP4_E2M1 else shape
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
-
-
-@dataclass(frozen=True)
-class Quantization:
-    """config.json's `quantization_config` and `expert_dtype`, as the checkpoint declares them."""
-
-    method: str
-    block: tuple[int, int] | None
-    scale_encoding: str  # "ue8m0", or "fp32" when scale_fmt is absent or "float"
-    expert_dtype: str  # "fp4", or "fp8" when absent
-    activation_scheme: str | None
 
 
 @dataclass
@@ -246,8 +193,8 @@ def stack_experts(name: str, pieces: dict[tuple[int, int], NativeTensor]) -> Nat
     parts = sorted({part for _, part in pieces})
     first = pieces[(0, 0)]
     fmt, rows = first.format, first.shape[0]
-    if fmt.block is not None and len(parts) > 1 and rows % fmt.block[0]:
-        raise CheckpointError(f"{name}: its gate and up rows ({rows} each) do not fill whole {fmt} blocks, so "
+    if _quantized(fmt) and len(parts) > 1 and rows % fmt.block[0]:
+        raise CheckpointError(f"{name}: its gate and up rows ({rows} each) do not fill whole {describe(fmt)} blocks, so "
                               f"they cannot be concatenated without re-encoding")
 
     def merged(attr: str) -> torch.Tensor | None:
@@ -260,47 +207,14 @@ def stack_experts(name: str, pieces: dict[tuple[int, int], NativeTensor]) -> Nat
 
 # --- config.json ------------------------------------------------------------------
 
-def read_quantization(config: dict) -> Quantization | None:
-    """The checkpoint's declared quantization, or None for an unquantized one."""
-    q = config.get("quantization_config")
-    if q is None:
-        return None
-    if not isinstance(q, dict):
-        raise CheckpointError(f"{CONFIG}: quantization_config is a {type(q).__name__}; expected an object")
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise CheckpointError(f"{CONFIG}: quantization_config.quant_method {method!r} is not DeepSeek's 'fp8'")
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise CheckpointError(f"{CONFIG}: quantization_config.fmt {q['fmt']!r} is not 'e4m3'")
-    block = q.get("weight_block_size")
-    if block is not None:
-        if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
-            raise CheckpointError(f"{CONFIG}: quantization_config.weight_block_size {block!r} is not two positive "
-                                  f"integers")
-        block = tuple(block)
-    scale_fmt = q.get("scale_fmt", "float")
-    if scale_fmt not in ("ue8m0", "float"):
-        raise CheckpointError(f"{CONFIG}: quantization_config.scale_fmt {scale_fmt!r} is not 'ue8m0' or 'float'")
-    # V4 declares expert_dtype at the top level, V4.1 inside quantization_config.
-    inside, outside = q.get("expert_dtype"), config.get("expert_dtype")
-    if inside is not None and outside is not None and inside != outside:
-        raise CheckpointError(f"{CONFIG}: expert_dtype {outside!r} and quantization_config.expert_dtype {inside!r} "
-                              f"disagree")
-    expert_dtype = inside or outside or "fp8"
-    if expert_dtype not in ("fp4", "fp8"):
-        raise CheckpointError(f"{CONFIG}: expert_dtype {expert_dtype!r} is not 'fp4' or 'fp8'")
-    return Quantization("fp8", block, "ue8m0" if scale_fmt == "ue8m0" else "fp32", expert_dtype,
-                        q.get("activation_scheme"))
-
-
-def _check_declared(quantization: Quantization | None, expected: dict[str, NativeFormat]) -> None:
+def _check_declared(quantization: Quantization | None, expected: dict[str, Expected]) -> None:
     """The config's declaration must be the recipe's: same block, scale encoding and expert kind."""
-    quantized = {name: fmt for name, fmt in expected.items() if fmt.quantized}
+    quantized = {name: fmt for name, fmt in expected.items() if _quantized(fmt)}
     if quantization is None:
         if quantized:
             name, fmt = next(iter(sorted(quantized.items())))
             raise CheckpointError(f"{CONFIG}: no quantization_config, but the recipe expects quantized weights "
-                                  f"({name}: {fmt})")
+                                  f"({name}: {describe(fmt)})")
         return
     if not quantized:
         raise CheckpointError(f"{CONFIG}: quantization_config declares a quantized ({quantization.method}) "
@@ -309,15 +223,15 @@ def _check_declared(quantization: Quantization | None, expected: dict[str, Nativ
         if fmt.kind == "fp8_e4m3" and ROUTED_EXPERTS.search(name) is None:
             if quantization.block is not None and fmt.block != quantization.block:
                 raise CheckpointError(f"{CONFIG}: quantization_config.weight_block_size {list(quantization.block)} "
-                                      f"differs from the recipe's {fmt} for {name}")
+                                      f"differs from the recipe's {describe(fmt)} for {name}")
             if fmt.scale_encoding != quantization.scale_encoding:
                 raise CheckpointError(f"{CONFIG}: quantization_config declares {quantization.scale_encoding} scales, "
-                                      f"but the recipe expects {fmt} for {name}")
+                                      f"but the recipe expects {describe(fmt)} for {name}")
         if ROUTED_EXPERTS.search(name):
             kind = "fp4_e2m1" if quantization.expert_dtype == "fp4" else "fp8_e4m3"
             if fmt.kind != kind:
                 raise CheckpointError(f"{CONFIG}: expert_dtype {quantization.expert_dtype!r} declares {kind} routed "
-                                      f"experts, but the recipe expects {fmt} for {name}")
+                                      f"experts, but the recipe expects {describe(fmt)} for {name}")
 
 
 # --- tensor names -----------------------------------------------------------------
@@ -342,7 +256,7 @@ class _Stored:
     scale: str | None = None
 
 
-def _plan(mapping: dict[str, Path], expected: dict[str, NativeFormat]) -> dict[str, _Stored]:
+def _plan(mapping: dict[str, Path], expected: dict[str, Expected]) -> dict[str, _Stored]:
     """Stored data name -> its target and scale; refuses unknown tensors and a second scale."""
     names = set(mapping)
     plan, scales, extra = {}, {}, []
@@ -401,29 +315,31 @@ def _canonical_ue8m0(name: str, scale: torch.Tensor) -> torch.Tensor:
 SCALE_DTYPES = {"ue8m0": ("F8_E8M0", "U8", "F32"), "fp32": ("F32",)}
 
 
-def _read_one(handles, mapping, stored: _Stored, fmt: NativeFormat, shape) -> NativeTensor:
+def _read_one(handles, mapping, stored: _Stored, fmt: Expected, shape) -> NativeTensor:
     data_slice = handles(mapping[stored.data]).get_slice(stored.data)
     scale_slice = None if stored.scale is None else handles(mapping[stored.scale]).get_slice(stored.scale)
     dtype, got_shape = data_slice.get_dtype(), tuple(data_slice.get_shape())
     holds = "" if stored.target.name == stored.data else f" (it holds {stored.target.describe()})"
 
     def refuse(why: str) -> CheckpointError:
-        return CheckpointError(f"{stored.data}: the recipe expects {fmt}{holds}; {why}")
+        return CheckpointError(f"{stored.data}: the recipe expects {describe(fmt)}{holds}; {why}")
 
-    if DATA_DTYPES.get(dtype) != fmt.kind or fmt.quantized != (scale_slice is not None):
-        if fmt.quantized and scale_slice is None and DATA_DTYPES.get(dtype) == fmt.kind:
+    kind, quantized = (fmt, False) if isinstance(fmt, str) else (fmt.kind, fmt.quantized)
+    if DATA_DTYPES.get(dtype) != kind or quantized != (scale_slice is not None):
+        if quantized and scale_slice is None and DATA_DTYPES.get(dtype) == kind:
             raise refuse(f"the checkpoint has no scale for it ({stored.data.removesuffix('.weight')}.scale or "
                          f"{stored.data.removesuffix('.weight')}.weight_scale_inv)")
         raise refuse(f"the checkpoint has {_has(stored, dtype, got_shape, scale_slice)}")
-    if shape is not None and got_shape != fmt.stored_shape(shape):
-        raise refuse(f"the checkpoint has shape {list(got_shape)}, not {list(fmt.stored_shape(shape))}")
+    stored_shape = None if shape is None else tuple(shape) if isinstance(fmt, str) else fmt.data_shape(tuple(shape))
+    if shape is not None and got_shape != stored_shape:
+        raise refuse(f"the checkpoint has shape {list(got_shape)}, not {list(stored_shape)}")
     logical = got_shape if shape is None else tuple(shape)
-    if fmt.kind == "fp4_e2m1":
+    if kind == "fp4_e2m1":
         logical = (*got_shape[:-1], 2 * got_shape[-1])
     scale = None
     if scale_slice is not None:
         scale_dtype, scale_shape = scale_slice.get_dtype(), tuple(scale_slice.get_shape())
-        grid = fmt.scale_grid(logical)
+        grid = fmt.scale_shape(logical)
         if scale_shape != grid:
             raise refuse(f"its scale {stored.scale} has grid {list(scale_shape)}, which does not match "
                          f"{fmt.block[0]}x{fmt.block[1]} blocks of {list(logical)} ({list(grid)})")
@@ -470,11 +386,12 @@ def _piece_shape(shape, parts: int):
     return (shape[1] // parts, *shape[2:])
 
 
-def read_release_checkpoint(directory, expected: dict[str, NativeFormat],
+def read_release_checkpoint(directory, expected: dict[str, Expected],
                             shapes: dict[str, tuple[int, ...]] | None = None) -> ReleaseCheckpoint:
     """Every weight `expected` names, in its stored format, checked against it; nothing decoded.
 
-    expected: b12x weight name -> the format the recipe has for it; shapes (optional): b12x
+    expected: b12x weight name -> the WeightFormat the recipe has for it, or INT64 for an
+    integer table (stored as its logical dtype, not in a format); shapes (optional): b12x
     weight name -> logical shape, checked too and fixing the number of routed experts.
     Tied embeddings (config.json's tie_word_embeddings) give lm_head as a copy of the
     embedding. config.json's own model fields are not checked here; the import that calls
@@ -486,7 +403,13 @@ def read_release_checkpoint(directory, expected: dict[str, NativeFormat],
         config = read_config(root / CONFIG)
     except HfConfigError as exc:  # names the file already
         raise CheckpointError(str(exc)) from None
-    quantization = read_quantization(config)
+    for name, expect in expected.items():
+        if isinstance(expect, str) and expect != INT64:
+            raise ValueError(f"{name}: {expect!r} is neither a WeightFormat nor {INT64!r}")
+    try:
+        quantization = read_quantization(config)
+    except HfConfigError as exc:  # names the key
+        raise CheckpointError(f"{CONFIG}: {exc}") from None
     _check_declared(quantization, expected)
     plan = _plan(mapping, expected)
     by_weight: dict[str, dict[tuple, _Stored]] = {}
@@ -525,7 +448,7 @@ def read_release_checkpoint(directory, expected: dict[str, NativeFormat],
     return out
 
 
-def _complete(out: ReleaseCheckpoint, expected: dict[str, NativeFormat], shapes, tied: bool) -> None:
+def _complete(out: ReleaseCheckpoint, expected: dict[str, Expected], shapes, tied: bool) -> None:
     """Refuse a weight not stored in full; give a tied lm_head the embedding's tensor."""
     for weight, fmt in sorted(expected.items()):
         if weight in out.weights:
@@ -537,12 +460,13 @@ def _complete(out: ReleaseCheckpoint, expected: dict[str, NativeFormat], shapes,
             for key in [(e, p) for e in range(experts) for p in parts]:
                 if key not in held:
                     raise CheckpointError(f"{Target(weight, *key).describe()}: not in the checkpoint; the recipe "
-                                          f"expects {fmt}")
+                                          f"expects {describe(fmt)}")
             continue
         if weight == LM_HEAD and tied and EMBED in out.weights:
             embed = out.weights[EMBED]
             if fmt != embed.format:
-                raise CheckpointError(f"{LM_HEAD}: tied to {EMBED}, which is {embed.format}; the recipe expects {fmt}")
+                raise CheckpointError(f"{LM_HEAD}: tied to {EMBED}, which is {describe(embed.format)}; the recipe "
+                                      f"expects {describe(fmt)}")
             out.weights[LM_HEAD] = NativeTensor(embed.data.clone(), None, fmt, embed.stored)
             continue
-        raise CheckpointError(f"{weight}: not in the checkpoint; the recipe expects {fmt}")
+        raise CheckpointError(f"{weight}: not in the checkpoint; the recipe expects {describe(fmt)}")

@@ -24,6 +24,7 @@ from b12x_toolchain.exporter.pipeline.capture import capture
 from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
 from b12x_toolchain.exporter.pipeline.rank_group import rank_group
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
+from b12x_toolchain.exporter.pipeline.trace_cache import trace_key, traced
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.views.pass_dump import PassDump
 from b12x_toolchain.passes.kit import PassError, PassResult, run_passes
@@ -75,8 +76,9 @@ def export_pass(job: PassJob) -> PassOutput:
     d = Dims.from_recipe(job.recipe)
     module = PASSES[job.name](d, job.rank or 0)
     inputs, outputs = module.convention()
+    weights = fake_weights(d) if job.weights is None else job.weights
     with rank_group(d, job.rank):
-        program = capture(module, fake_weights(d) if job.weights is None else job.weights)
+        program = traced(trace_key(d, job.name, job.rank, weights), lambda: capture(module, weights))
     dump_dir = job.dump_dir if job.rank is None or job.dump_dir is None else job.dump_dir / f"rank{job.rank}"
     dump = PassDump(dump_dir) if dump_dir is not None else None
     records = []

@@ -147,9 +147,13 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def read_plain_file(path: Path, label: str, limit: int | None = None) -> bytes:
+def read_plain_file(path: Path, label: str, limit: int | None = None, buffer: bool = False) -> bytes | bytearray:
     """The bytes of a regular file, opened without following a link and checked on the open
-    descriptor (a file swapped for a link or a FIFO after a listing is still refused)."""
+    descriptor (a file swapped for a link or a FIFO after a listing is still refused).
+
+    `buffer`: read into a bytearray of the file's size (one allocation, no copy after it);
+    weight files are, since their tensors view the bytes in place (weight_binding.py) and
+    torch takes a writable buffer without warning that it aliases immutable bytes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -163,7 +167,12 @@ def read_plain_file(path: Path, label: str, limit: int | None = None) -> bytes:
             raise PackageError(f"{label}: is {_kind(info.st_mode)}; packages hold plain files only")
         if limit is not None and info.st_size > limit:
             raise PackageError(f"{label}: {info.st_size} bytes exceeds the {limit} byte limit")
-        return handle.read()
+        if not buffer:
+            return handle.read()
+        data = bytearray(info.st_size)
+        if handle.readinto(data) != info.st_size or handle.read(1):
+            raise PackageError(f"{label}: changed size while it was read")
+        return data
 
 
 def _read_manifest(root: Path) -> Manifest:
@@ -220,8 +229,17 @@ def _tree(root: Path) -> set[str]:
     return files
 
 
-def _check_files(root: Path, manifest: Manifest) -> dict[str, bytes]:
+def _weight_files(manifest: Manifest) -> set[str]:
+    """The package's own weight files (none when the weights are external)."""
+    names = {manifest.weights.file} | {r.weights for r in (manifest.parallel.ranks if manifest.parallel else ())}
+    return names - {None}
+
+
+def _check_files(root: Path, manifest: Manifest) -> dict[str, bytes | bytearray]:
+    """Every listed file's bytes, each checked against its sha256. A weight file is read once,
+    into the buffer its tensors then view (weight_binding.py): the bytes hashed are the bytes bound."""
     listed = manifest.files  # a non-empty name -> sha256 table (manifest.py)
+    weight_files = _weight_files(manifest)
     paths = {name: _safe_member(root, name) for name in sorted(listed)}
     present = _tree(root) - {"manifest.json"}
     extra = sorted(present - set(listed))
@@ -231,7 +249,7 @@ def _check_files(root: Path, manifest: Manifest) -> dict[str, bytes]:
     for name, expected in sorted(listed.items()):
         if name not in present:
             raise PackageError(f"{name}: listed in manifest.json but missing")
-        data = read_plain_file(paths[name], name)
+        data = read_plain_file(paths[name], name, buffer=name in weight_files)
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected:
             raise PackageError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {str(expected)[:16]}…")

@@ -11,9 +11,10 @@ that asked for other tensors than the graphs take would bind the wrong thing.
 
 from __future__ import annotations
 
+import math
 import sys
+import warnings
 
-import safetensors
 import torch
 
 from b12x_toolchain.runtime.errors import PackageError
@@ -58,7 +59,7 @@ def _check_embedded(name: str, weights: dict[str, torch.Tensor], expected: dict)
                                f"the passes take {dtype} {list(shape)}")
 
 
-def bind_weights(manifest, contents: dict[str, bytes], passes: dict, checkpoint=None, mapping=None,
+def bind_weights(manifest, contents: dict[str, bytes | bytearray], passes: dict, checkpoint=None, mapping=None,
                  rank: int | None = None):
     """The weights a session binds, or None for a structural package loaded without a checkpoint.
 
@@ -90,25 +91,72 @@ STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I64": torch.int6
                  "I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
 
 
-def load_weights_bytes(data: bytes, name: str) -> dict[str, torch.Tensor]:
-    """The tensors of safetensors file `name`'s bytes, each a CPU tensor of its stored dtype."""
-    try:
-        views = safetensors.deserialize(data)
-    except Exception as exc:  # safetensors raises its own error type for malformed headers
-        raise PackageError(f"{name}: not a valid safetensors file ({exc})") from None
+class _Malformed(ValueError):
+    pass
+
+
+def load_weights_bytes(data: bytes | bytearray, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file `name`'s bytes, each a CPU tensor of its stored dtype
+    that views `data` in place: one storage, `data`'s own memory. Loading a package therefore
+    holds its weight file's bytes once, and what is bound is exactly what was hashed
+    (safetensors.deserialize, used before, copied every tensor out: twice the bytes at load)."""
     if sys.byteorder != "little":
         raise PackageError(f"{name}: safetensors data is little-endian; this machine is {sys.byteorder}-endian")
+    start, entries = _layout(data, name)
+    with warnings.catch_warnings():
+        # Immutable bytes (a caller's file.read_bytes()) make torch warn that the tensors alias
+        # them; weights are graph inputs, never written. The loader passes a bytearray.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        whole = torch.frombuffer(data, dtype=torch.uint8)
     out = {}
-    for key, view in views:
-        dtype = STORED_DTYPES.get(view["dtype"])
-        if dtype is None:
-            raise PackageError(f"{name}: tensor {key} is {view['dtype']}, not a dtype a package stores "
-                               f"({', '.join(STORED_DTYPES)})")
-        if len(view["data"]) == 0:  # frombuffer takes no empty buffer
-            out[key] = torch.empty(view["shape"], dtype=dtype)
-        else:
-            out[key] = torch.frombuffer(view["data"], dtype=dtype).reshape(view["shape"])
+    for key, (dtype, shape, begin, end) in entries.items():
+        raw = whole[start + begin : start + end]
+        if (start + begin) % dtype.itemsize:  # safetensors aligns every tensor; a file that does not is copied
+            raw = raw.clone()
+        out[key] = raw.view(dtype).reshape(shape)
     return out
+
+
+def _layout(data: bytes | bytearray, name: str) -> tuple[int, dict]:
+    """(offset of the tensor data, name -> (dtype, shape, begin, end) within it), the header
+    checked as safetensors' own reader checks it: every entry's byte count is its shape's, and
+    the entries tile the data exactly (no gap, overlap or trailing byte)."""
+    try:
+        header = safetensors_header(data, "header", _Malformed)  # strict JSON
+        start = 8 + int.from_bytes(data[:8], "little")
+        entries = {key: _entry(key, info, name) for key, info in header.items() if key != "__metadata__"}
+        covered = 0
+        for key, (_, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2:]):
+            if begin != covered:
+                raise _Malformed(f"tensor {key} starts at data byte {begin}, not {covered}")
+            covered = end
+        if covered != len(data) - start:
+            raise _Malformed(f"the tensors cover {covered} of the {len(data) - start} data bytes")
+    except _Malformed as exc:
+        raise PackageError(f"{name}: not a valid safetensors file ({exc})") from None
+    return start, entries
+
+
+def _entry(key: str, info, name: str) -> tuple:
+    if not (isinstance(info, dict) and set(info) == {"dtype", "shape", "data_offsets"}):
+        raise _Malformed(f"tensor {key}: expected exactly dtype, shape and data_offsets")
+    dtype = STORED_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise PackageError(f"{name}: tensor {key} is {info['dtype']}, not a dtype a package stores "
+                           f"({', '.join(STORED_DTYPES)})")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
+        raise _Malformed(f"tensor {key}: shape {shape!r} is not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_natural, offsets))
+            and offsets[0] <= offsets[1]):
+        raise _Malformed(f"tensor {key}: data_offsets {offsets!r} is not [begin, end]")
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise _Malformed(f"tensor {key}: {offsets[1] - offsets[0]} bytes for {info['dtype']} {shape}")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _natural(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _whole(expected: dict, mapping) -> dict:

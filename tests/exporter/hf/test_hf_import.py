@@ -146,7 +146,7 @@ def test_default_compress_rope_means_no_yarn(config):
      "layer_types[1]"),
     ({"mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]}, "mlp_layer_types[1]"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
     ({"model_type": "deepseek_v3"}, "model_type"),
     ({"hidden_size": "64"}, "hidden_size"),
     ({"partial_rotary_factor": 0.3}, "partial_rotary_factor"),

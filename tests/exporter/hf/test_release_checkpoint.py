@@ -16,9 +16,7 @@ from b12x_toolchain.exporter.hf.release_layout import (
     FP4_E2M1,
     FP32,
     INT64,
-    NativeFormat,
     NativeTensor,
-    fp8_block,
     read_release_checkpoint,
     release_formats,
     stack_experts,
@@ -26,6 +24,7 @@ from b12x_toolchain.exporter.hf.release_layout import (
 from b12x_toolchain.exporter.model.weights import weight_shapes, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
+from b12x_toolchain.runtime.package.weight_format import WeightFormat
 from hf_reference import fp32_tiny_recipe, save_tiny_checkpoint, tiny_v4_config, tiny_weights
 from release_checkpoint import (
     edit_config,
@@ -256,7 +255,7 @@ def test_reads_every_weight_as_stored(instruct, expected, dims):
         pieces += 1
     assert pieces == len([n for n in tensors if not n.endswith(".scale")])
     q_b = ckpt.weights["model.layers.0.self_attn.q_b_proj.weight"]
-    assert q_b.format == fp8_block(128, 128) and q_b.shape == (256, 32) and list(q_b.scale.shape) == [2, 1]
+    assert q_b.format == WeightFormat("fp8_e4m3", (128, 128), "ue8m0") and q_b.shape == (256, 32) and list(q_b.scale.shape) == [2, 1]
     assert ckpt.weights["lm_head.weight"].format == BF16 and ckpt.weights["model.layers.0.self_attn.sinks"].format == FP32
     assert ckpt.weights["model.layers.0.mlp.gate.tid2eid"].format == INT64
 
@@ -283,7 +282,7 @@ def test_reads_the_v41_blocks_and_the_v3_style_scales(written, dims):
     ckpt = read_release_checkpoint(root, release_formats(weight_specs(dims), scale_encoding="fp32"),
                                    weight_shapes(dims))
     wkv = ckpt.weights["model.layers.0.self_attn.kv_proj.weight"]
-    assert wkv.format == fp8_block(128, 128, "fp32") and wkv.scale.dtype == torch.float32
+    assert wkv.format == WeightFormat("fp8_e4m3", (128, 128), "fp32") and wkv.scale.dtype == torch.float32
     assert torch.equal(wkv.scale, tensors["layers.0.attn.wkv.weight_scale_inv"])
 
 
@@ -424,7 +423,7 @@ def test_refuses_a_missing_scale(instruct, expected, dims, tmp_path):
 
 
 def test_refuses_a_quantized_checkpoint_where_the_recipe_says_fp32(instruct, expected, dims, tmp_path):
-    unquantized = {name: FP32 if fmt.quantized else fmt for name, fmt in expected.items()}
+    unquantized = {name: fmt if fmt in (BF16, FP32, INT64) else FP32 for name, fmt in expected.items()}
     assert refused(instruct[0], unquantized, dims) == (
         "config.json: quantization_config declares a quantized (fp8) checkpoint, but the recipe expects every weight "
         "unquantized")
@@ -480,7 +479,7 @@ def test_refuses_two_scales_for_one_weight(instruct, expected, dims, tmp_path):
 
 
 def test_stacking_refuses_blocks_that_straddle_gate_and_up():
-    piece = NativeTensor(torch.zeros(64, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 1), fp8_block(128, 128, "fp32"),
+    piece = NativeTensor(torch.zeros(64, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 1), WeightFormat("fp8_e4m3", (128, 128), "fp32"),
                          "experts.0.w1.weight")
     with pytest.raises(CheckpointError, match=r"^experts\.gate_up_proj: its gate and up rows \(64 each\) do not fill"):
         stack_experts("experts.gate_up_proj", {(0, 0): piece, (0, 1): piece})
@@ -488,13 +487,25 @@ def test_stacking_refuses_blocks_that_straddle_gate_and_up():
     assert down.shape == (2, 64, 64) and list(down.scale.shape) == [2, 1, 1]
 
 
-@pytest.mark.parametrize("kind, block, encoding", [
-    ("fp8_e4m3", None, "ue8m0"), ("fp8_e4m3", (128, 128), "e8m0"), ("fp4_e2m1", (1, 16), "ue8m0"),
-    ("bf16", (1, 32), None), ("fp16", None, None),
-])
-def test_format_descriptors_refuse_what_no_checkpoint_holds(kind, block, encoding):
-    with pytest.raises(ValueError):
-        NativeFormat(kind, block, encoding)
+def test_refuses_a_checkpoint_block_no_weight_format_takes(dims, weights, tmp_path):
+    # 64x64 blocks are no block a recipe can give fp8_e4m3, so no recipe expects them.
+    root = tmp_path / "blocks-64"
+    write_release_checkpoint(root, tiny_v4_config(), weights, block=(64, 64))
+    expected = release_formats(weight_specs(dims))
+    assert refused(root, expected, dims).startswith(
+        "config.json: quantization_config.weight_block_size [64, 64] differs from the recipe's fp8_e4m3 (128x128 "
+        "blocks, ue8m0 scales) for model.")
+    # Declared as 128x128 blocks: the first tensor whose grid tells them apart is refused by name.
+    edit_config(root, lambda c: c["quantization_config"].update(weight_block_size=[128, 128]))
+    message = refused(root, expected, dims)
+    assert message.startswith("layers.") and ": the recipe expects fp8_e4m3 (128x128 blocks, ue8m0 scales)" in message
+    assert "which does not match 128x128 blocks of" in message
+
+
+def test_int64_is_a_logical_dtype_not_a_format(instruct, dims):
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.gate\.tid2eid: 'int32' is neither"):
+        read_release_checkpoint(instruct[0], {**release_formats(weight_specs(dims)),
+                                              "model.layers.0.mlp.gate.tid2eid": "int32"})
 
 
 def test_release_formats_refuse_a_name_they_cannot_place(dims):

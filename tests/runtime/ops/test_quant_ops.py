@@ -17,35 +17,20 @@ from b12x_toolchain.runtime.formats.weight_formats import (
     decode_fp4,
     decode_fp8_block,
     quantize_fp4,
-    quantize_fp8_block,
+    ue8m0_from,
 )
 from b12x_toolchain.runtime.ops import quant_ops
 from b12x_toolchain.runtime.ops.opset import OPS, ops
+from benchmarks.kernel_cases import FP8_LINEAR_CASES, accumulation_bound, fp8_linear_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RULES = ("none", "deepseek")
-# (rows, out, in, block, scale encoding): the V4 and V4.1 blocks, the row-wise one, edges
-# that are not multiples of the block, a single token.
-FP8_CASES = [
-    (5, 200, 300, (128, 128), "ue8m0"),
-    (17, 96, 256, (128, 128), "fp32"),
-    (3, 70, 100, (32, 32), "ue8m0"),
-    (1, 64, 96, (32, 32), "fp32"),
-    (9, 33, 160, (1, 32), "ue8m0"),
-]
 # (tokens, top-k, experts, out, in): in is a multiple of 32 (the format); ids repeat.
 FP4_CASES = [(6, 3, 4, 70, 96), (1, 2, 8, 64, 64), (20, 2, 3, 40, 128)]
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _fp8_case(rows, n_out, n_in, block, encoding, seed=0):
-    gen = _gen(seed)
-    x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-2, 1, n_in)
-    weight, scale = quantize_fp8_block(torch.randn(n_out, n_in, generator=gen) * 0.05, block, encoding)
-    return x, weight, scale
 
 
 def _fp4_case(tokens, top_k, experts, n_out, n_in, seed=0):
@@ -62,7 +47,7 @@ def _activation(x, rule):
 
 
 def _assert_within_accumulation_order(got, want, xa, w):
-    bound = xa.shape[-1] * 2.0**-23 * (xa.abs().double() @ w.abs().double().T).float()
+    bound = accumulation_bound(xa, w)
     error = (got.cpu() - want).abs()
     assert bool((error <= bound).all()), f"max error {error.max().item():.3g}, bound there {bound.flatten()[error.argmax()]:.3g}"
 
@@ -70,10 +55,10 @@ def _assert_within_accumulation_order(got, want, xa, w):
 # ---------------------------------------------------------------- references
 
 
-@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("case", FP8_LINEAR_CASES)
 @pytest.mark.parametrize("rule", RULES)
 def test_fp8_reference_is_f_linear_over_the_decoded_weight(case, rule):
-    x, weight, scale = _fp8_case(*case)
+    x, weight, scale = fp8_linear_case(*case)
     block = case[3]
     got = ops.fp8_block_linear(x.view(1, *x.shape), weight, scale, *block, rule)
     want = F.linear(_activation(x, rule), decode_fp8_block(weight, scale, block))
@@ -83,7 +68,7 @@ def test_fp8_reference_is_f_linear_over_the_decoded_weight(case, rule):
 
 @pytest.mark.parametrize("block", [(128, 128), (32, 32), (1, 32)])
 def test_fp8_reference_in_row_chunks_stays_within_1e_6(monkeypatch, block):
-    x, weight, scale = _fp8_case(7, 300, 256, block, "ue8m0")
+    x, weight, scale = fp8_linear_case(7, 300, 256, block, "ue8m0")
     whole = ops.fp8_block_linear(x, weight, scale, *block, "none")
     monkeypatch.setattr(quant_ops, "DECODE_CHUNK_ELEMENTS", 256 * 40)  # chunks of 40 rows or one block row
     decoded = []
@@ -129,7 +114,7 @@ def test_fp4_reference_decodes_only_the_named_experts_one_at_a_time(monkeypatch)
 
 
 @pytest.mark.parametrize("op, args", [
-    ("fp8_block_linear", lambda: (*_fp8_case(2, 32, 64, (32, 32), "ue8m0"), 32, 32)),
+    ("fp8_block_linear", lambda: (*fp8_linear_case(2, 32, 64, (32, 32), "ue8m0"), 32, 32)),
     ("fp4_expert_linear", lambda: _fp4_case(2, 1, 2, 32, 64)),
 ])
 def test_an_unknown_activation_rule_is_refused_by_name(op, args):
@@ -138,7 +123,7 @@ def test_an_unknown_activation_rule_is_refused_by_name(op, args):
 
 
 def test_mismatched_inputs_are_refused():
-    x, weight, scale = _fp8_case(2, 32, 64, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(2, 32, 64, (32, 32), "ue8m0")
     with pytest.raises(ValueError, match="x has 63 features but the weight takes 64"):
         ops.fp8_block_linear(x[:, :63], weight, scale, 32, 32, "none")
     with pytest.raises(ValueError, match=r"FP8 block \(128, 32\) is not one of"):
@@ -151,7 +136,7 @@ def test_mismatched_inputs_are_refused():
 
 
 def test_fakes_give_float32_shapes_and_capture_as_one_node_each():
-    x, weight, scale = _fp8_case(3, 40, 64, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(3, 40, 64, (32, 32), "ue8m0")
     xe, ids, w4, s4 = _fp4_case(3, 2, 4, 24, 64)
     meta = [t.to("meta") for t in (x, weight, scale, xe, ids, w4, s4)]
     y = ops.fp8_block_linear(meta[0].view(1, 3, 64), meta[1], meta[2], 32, 32, "deepseek")
@@ -172,40 +157,142 @@ def test_fakes_give_float32_shapes_and_capture_as_one_node_each():
 
 
 try:
-    from b12x_toolchain.runtime.ops import triton_quant
+    from b12x_toolchain.runtime.ops import triton_act_quant, triton_quant
 except ImportError:  # no Triton: the references above still run
-    triton_quant = None
+    triton_act_quant = triton_quant = None
 needs_triton = pytest.mark.skipif(triton_quant is None, reason="needs triton")
+# The interpreter runs the FP8 dot; a GPU only from compute capability 8.9.
+runs_fp8_dot = pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+                                  reason="the GPU has no FP8 tensor cores")
 
 
 def _on_device(*tensors):
     return [t.to(DEVICE, copy=True) for t in tensors]
 
 
-@needs_triton
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
-def test_act_quant_kernel_is_bitwise_the_reference():
+def _act_edge_rows():
+    """Rows at mixed magnitudes with a zero group, a NaN and an inf, the last group partial."""
     x = torch.randn(21, 300, generator=_gen(3)) * torch.logspace(-6, 4, 300)
     x[1, :128] = 0.0
     x[2, 140] = float("nan")
     x[3, 299] = float("-inf")
+    return x
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
+def test_act_quant_kernel_is_bitwise_the_reference():
+    x = _act_edge_rows()
     for src in (x, x.to(torch.bfloat16)):
-        got = triton_quant.act_quant_e4m3(*_on_device(src)).cpu()
+        got = triton_act_quant.act_quant_e4m3(*_on_device(src)).cpu()
         want = act_quant_e4m3(src)
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
 
 
 @needs_triton
-@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("case", FP8_LINEAR_CASES)
 @pytest.mark.parametrize("rule", RULES)
 def test_fp8_kernel_agrees_with_the_reference(case, rule):
-    x, weight, scale = _fp8_case(*case, seed=1)
+    x, weight, scale = fp8_linear_case(*case, seed=1)
     block = case[3]
     want = ops.fp8_block_linear(x, weight, scale, *block, rule)
     got = triton_quant.fp8_block_linear(*_on_device(x, weight, scale), *block, rule)
     assert got.dtype == torch.float32 and got.shape == want.shape
     _assert_within_accumulation_order(got, want, _activation(x, rule), decode_fp8_block(weight, scale, block))
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
+def test_act_quant_codes_times_their_scales_are_the_values_bitwise():
+    x = _act_edge_rows()
+    codes, scales = (t.cpu() for t in triton_act_quant.act_quant_codes(*_on_device(x)))
+    assert codes.dtype == torch.uint8 and scales.shape == (21, 3)
+    got = codes.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(128, dim=1)[:, :300]
+    want = act_quant_e4m3(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+    assert scales.isnan().nonzero().tolist() == [[2, 1], [3, 2]]  # the NaN's group and the inf's, no other
+
+
+@needs_triton
+@runs_fp8_dot
+@pytest.mark.parametrize("case", FP8_LINEAR_CASES)
+def test_fp8_dot_agrees_with_the_reference(case):
+    # The E4M3 x E4M3 dot with per-step promotion, run wherever this test runs: every
+    # block shape, both scale encodings, edges that split activation groups and K steps.
+    x, weight, scale = fp8_linear_case(*case, seed=4)
+    block = case[3]
+    want = ops.fp8_block_linear(x, weight, scale, *block, "deepseek")
+    got = triton_quant.fp8_block_linear_by("fp8", *_on_device(x, weight, scale), *block, "deepseek")
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    _assert_within_accumulation_order(got, want, act_quant_e4m3(x), decode_fp8_block(weight, scale, block))
+
+
+@needs_triton
+@runs_fp8_dot
+@pytest.mark.parametrize("encoding", ["ue8m0", "fp32"])
+def test_fp8_dot_multiplies_every_finite_e4m3_code_exactly(encoding):
+    # One-hot activations (1.0 is E4M3 256 times 2^-8) pick single weights: each output is
+    # one product, so any code the dot widened wrongly would show. 0x7F and 0xFF are NaN.
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    weight = codes.to(torch.uint8).view(8, 32).view(torch.float8_e4m3fn)
+    scale = torch.full((8, 1), 2.0**-3)
+    scale = ue8m0_from(scale) if encoding == "ue8m0" else scale
+    got = triton_quant.fp8_block_linear_by("fp8", *_on_device(torch.eye(32), weight, scale), 1, 32, "deepseek")
+    assert torch.equal(got.cpu(), decode_fp8_block(weight, scale, (1, 32)).T)
+
+
+@needs_triton
+@runs_fp8_dot
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf input overflows in the interpreter's numpy, as intended
+def test_fp8_dot_makes_rows_with_inf_or_nan_nan_as_the_reference_does():
+    x, weight, scale = fp8_linear_case(4, 40, 300, (32, 32), "ue8m0", seed=5)
+    x[1, 7], x[2, 290] = float("nan"), float("inf")
+    want = ops.fp8_block_linear(x, weight, scale, 32, 32, "deepseek")
+    got = triton_quant.fp8_block_linear_by("fp8", *_on_device(x, weight, scale), 32, 32, "deepseek").cpu()
+    assert bool(want[1:3].isnan().all()) and bool(got[1:3].isnan().all())
+    xa = act_quant_e4m3(x)
+    keep = [0, 3]
+    _assert_within_accumulation_order(got[keep], want[keep], xa[keep], decode_fp8_block(weight, scale, (32, 32)))
+
+
+@needs_triton
+def test_the_fp8_dot_needs_deepseek_activations_and_dots_are_named():
+    x, weight, scale = fp8_linear_case(2, 32, 64, (32, 32), "ue8m0")
+    with pytest.raises(ValueError, match="the fp8 dot multiplies activations quantized by DeepSeek's rule, not rule 'none'"):
+        triton_quant.fp8_block_linear_by("fp8", x, weight, scale, 32, 32, "none")
+    with pytest.raises(ValueError, match=r"dot 'fp16' is not one of \('fp8', 'bf16', 'fp32'\)"):
+        triton_quant.fp8_block_linear_by("fp16", x, weight, scale, 32, 32, "deepseek")
+
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@needs_triton
+@pytest.mark.parametrize("capability, rule, ue8m0, x_dtype, dot", [
+    # Triton's interpreter: always float32.
+    (None, "deepseek", True, F32, "fp32"), (None, "none", True, BF16, "fp32"),
+    # FP8 tensor cores (Ada 8.9, Hopper 9.0, Blackwell 10.0, 12.0) under DeepSeek's rule, whatever the scales.
+    ((8, 9), "deepseek", True, F32, "fp8"), ((8, 9), "deepseek", False, F32, "fp8"),
+    ((9, 0), "deepseek", False, BF16, "fp8"), ((10, 0), "deepseek", True, BF16, "fp8"),
+    ((12, 0), "deepseek", False, F32, "fp8"),
+    # Without them (Ampere 8.0 and 8.6): bfloat16 where exact (UE8M0 scales), else float32.
+    ((8, 0), "deepseek", True, F32, "bf16"), ((8, 6), "deepseek", False, F32, "fp32"),
+    # Unquantized activations never take the FP8 dot: bfloat16 only for bfloat16 x and UE8M0 scales.
+    ((9, 0), "none", True, BF16, "bf16"), ((9, 0), "none", True, F32, "fp32"),
+    ((9, 0), "none", False, BF16, "fp32"), ((8, 0), "none", True, BF16, "bf16"),
+])
+def test_fp8_linear_dot_is_chosen_by_capability_rule_scales_and_dtype(capability, rule, ue8m0, x_dtype, dot):
+    assert triton_quant.fp8_linear_dot(capability, rule, ue8m0, x_dtype) == dot
+
+
+@needs_triton
+def test_cpu_tensors_take_the_float32_dot():
+    assert triton_quant._capability(torch.zeros(1)) is None
+    with pytest.raises(ValueError, match="activation rule 'e5m2'"):
+        triton_quant.fp8_linear_dot((9, 0), "e5m2", True, F32)
 
 
 @needs_triton
@@ -224,9 +311,9 @@ def test_fp4_kernel_agrees_with_the_reference(case, rule):
 
 @needs_triton
 def test_bfloat16_activations_agree():
-    # On a GPU these (and DeepSeek-rule activations with UE8M0 weights) take the bfloat16
-    # dot; in the interpreter every case takes the float32 one.
-    x, weight, scale = _fp8_case(4, 64, 128, (32, 32), "ue8m0")
+    # On a GPU these take the bfloat16 dot (as DeepSeek-rule activations with UE8M0 weights
+    # do where there is no FP8 MMA); in the interpreter every case takes the float32 one.
+    x, weight, scale = fp8_linear_case(4, 64, 128, (32, 32), "ue8m0")
     x = x.to(torch.bfloat16)
     want = ops.fp8_block_linear(x, weight, scale, 32, 32, "none")
     got = triton_quant.fp8_block_linear(*_on_device(x, weight, scale), 32, 32, "none")
@@ -247,10 +334,31 @@ def test_expert_tiles_cover_every_row_once_within_the_static_bound():
 @needs_triton
 @pytest.mark.parametrize("rule", RULES)
 def test_no_tokens_give_empty_results(rule):
-    x, weight, scale = _fp8_case(0, 40, 64, (32, 32), "ue8m0")
+    x, weight, scale = fp8_linear_case(0, 40, 64, (32, 32), "ue8m0")
     xe, ids, w4, s4 = _fp4_case(1, 2, 3, 24, 64)
     xe, ids = xe[:0], ids[:0]
     for fp8 in (ops.fp8_block_linear, triton_quant.fp8_block_linear):
         assert fp8(x, weight, scale, 32, 32, rule).shape == (0, 40)
     for fp4 in (ops.fp4_expert_linear, triton_quant.fp4_expert_linear):
         assert fp4(xe, ids, w4, s4, rule).shape == (0, 2, 24)
+
+
+# ---------------------------------------------------------------- gpu_check's FP8 linear rows
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU dry run of the rows")
+def test_gpu_check_fp8_linear_rows_run_both_dots_and_can_fail(monkeypatch):
+    from benchmarks import gpu_check
+
+    spec = FP8_LINEAR_CASES[3]
+    monkeypatch.setattr(gpu_check, "RESULTS", [])
+    gpu_check.fp8_linears("cpu", specs=[spec])  # the launchers, in the interpreter
+    name = "fp8 linear 1x64x96 32x32 fp32"
+    assert [(c.name, c.ok) for c in gpu_check.RESULTS] == [(f"{name} fp8 dot", True), (f"{name} fp32 dot", True)]
+
+    run = triton_quant.fp8_block_linear_by
+    monkeypatch.setattr(triton_quant, "fp8_block_linear_by", lambda *args: run(*args) * (1 + 2.0**-10))
+    monkeypatch.setattr(gpu_check, "RESULTS", [])
+    gpu_check.fp8_linears("cpu", specs=[spec])
+    assert [c.ok for c in gpu_check.RESULTS] == [False, False]

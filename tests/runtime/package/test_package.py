@@ -79,6 +79,14 @@ def test_load_refuses_a_file_whose_hash_differs(copy_of):
         load(copy_of)
 
 
+def test_loaded_weights_view_the_one_buffer_their_file_was_read_and_hashed_into(fused_path):
+    """No copy of the weights at load: every bound tensor is a view of the file's bytes as read."""
+    package = load(fused_path)
+    size = (Path(fused_path) / "weights.safetensors").stat().st_size
+    storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in package.weights.values()}
+    assert storages == {(next(iter(storages))[0], size)}
+
+
 def test_load_refuses_a_newer_format_major(copy_of):
     _edit_manifest(copy_of, lambda m: m.update(format_version="5.0"))
     with pytest.raises(PackageError, match=r"format_version 5\.0 is not supported .*reads 4\.0 to 4\.2"):

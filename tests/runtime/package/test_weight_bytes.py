@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import safetensors.torch
 import torch
@@ -38,3 +40,34 @@ def test_a_dtype_no_package_stores_and_malformed_bytes_are_refused():
         load_weights_bytes(data, "weights.safetensors")
     with pytest.raises(PackageError, match=r"^weights.safetensors: not a valid safetensors file"):
         load_weights_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}", "weights.safetensors")
+
+
+def test_tensors_view_the_bytes_read_without_a_copy():
+    """Every tensor is a view of the one buffer the file was read into (which was hashed):
+    a copy per tensor would hold the weights twice while loading."""
+    tensors = {"fp32": torch.ones(5, 3), "bf16": torch.ones(4, dtype=torch.bfloat16),
+               "fp8": torch.ones(7, 32).to(torch.float8_e4m3fn), "fp4": torch.ones(3, 16, dtype=torch.int8),
+               "table": torch.arange(3)}
+    data = bytearray(safetensors.torch.save(tensors))
+    buffer = torch.frombuffer(data, dtype=torch.uint8)
+    got = load_weights_bytes(data, "weights.safetensors")
+    for name, tensor in got.items():
+        assert tensor.dtype == tensors[name].dtype, name
+        assert tensor.untyped_storage().data_ptr() == buffer.data_ptr(), name
+        assert tensor.untyped_storage().nbytes() == len(data), name
+    data[-1] ^= 0xFF  # the last tensor stored (1-byte dtypes come last) sees its bytes change in place
+    assert any(not torch.equal(got[n].view(torch.uint8), tensors[n].view(torch.uint8)) for n in ("fp8", "fp4"))
+
+
+@pytest.mark.parametrize("header, problem", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, r"tensor a: 4 bytes for F32 \[2\]"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, r"tensor a starts at data byte 4, not 0"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, r"the tensors cover 4 of the 8 data bytes"),
+    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, r"tensor a: shape \[-1\] is not a list of sizes"),
+    ({"a": {"dtype": "F32", "shape": [1]}}, r"tensor a: expected exactly dtype, shape and data_offsets"),
+])
+def test_a_header_that_does_not_tile_the_data_is_refused(header, problem):
+    text = json.dumps(header).encode()
+    data = len(text).to_bytes(8, "little") + text + bytes(8)
+    with pytest.raises(PackageError, match=r"^weights.safetensors: not a valid safetensors file \(" + problem):
+        load_weights_bytes(data, "weights.safetensors")
