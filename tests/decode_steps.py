@@ -10,6 +10,8 @@ import torch
 
 COMMIT_WIDTHS = (1, 7, 8)
 FP32_CACHES = {"cache.window_format": "fp32", "cache.compressed_format": "fp32", "cache.index_format": "fp32"}
+# A recipe change that drops the `weights` section: every weight fp32, the digest of the recipe without it.
+FP32_WEIGHTS = {"weights": None}
 
 
 def exported(recipe, weights, tmp_path_factory, changes=None, name=None):

@@ -22,6 +22,8 @@ import transformers
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from conftest import recipe_variant
+from decode_steps import FP32_WEIGHTS
 
 INDEX = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"
@@ -53,9 +55,15 @@ def tiny_v4_config(**changes) -> transformers.DeepseekV4Config:
     return transformers.DeepseekV4Config(**{**TINY, **changes})
 
 
+def fp32_tiny_recipe():
+    """dsv4-tiny with every weight fp32 (the bundled recipe stores V4 Instruct's formats): the
+    model transformers holds, and what `recipe from-hf` writes, which has no `weights` section."""
+    return recipe_variant(load_recipe("dsv4-tiny"), FP32_WEIGHTS)
+
+
 def tiny_weights(seed: int) -> dict[str, torch.Tensor]:
-    """Every weight of dsv4-tiny, target and MTP, by state-dict name."""
-    return init_weights(Dims.from_recipe(load_recipe("dsv4-tiny")), seed)
+    """Every weight of dsv4-tiny in fp32, target and MTP, by state-dict name."""
+    return init_weights(Dims.from_recipe(fp32_tiny_recipe()), seed)
 
 
 @dataclass

@@ -3,7 +3,9 @@
 One device: `graphs/PASS.pt2` and `weights.safetensors`, and no `parallel` entry (format
 4.0, as before parallel packages existed). A parallel recipe: `ranks/R/graphs/PASS.pt2`
 and `ranks/R/weights.safetensors` for every rank R, and the mapping as data
-(runtime/parallel/mapping.py), format 4.1. Every rank's calling conventions must be the
+(runtime/parallel/mapping.py), format 4.1. Weights in formats other than fp32 (the
+manifest's `weights.formats`), on one device or many: format 4.2. A package is written at
+the oldest minor that has every field it holds. Every rank's calling conventions must be the
 same (equal splits give equal shapes; checked here), so one set of pass entries and one
 ABI fingerprint describe them all.
 """
@@ -12,11 +14,11 @@ from __future__ import annotations
 
 from b12x_toolchain.exporter.errors import ExportError
 from b12x_toolchain.exporter.model.parallel import rank_weights, split_of
-from b12x_toolchain.exporter.model.weights import weight_specs
+from b12x_toolchain.exporter.model.weights import weight_formats, weight_specs
 from b12x_toolchain.exporter.pipeline.pass_export import pass_label
 from b12x_toolchain.runtime.parallel.mapping import Mapping, RankEntry
 
-SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT = "4.0", "4.1"
+SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT, WEIGHT_FORMATS_FORMAT = "4.0", "4.1", "4.2"
 
 
 class RankFiles:
@@ -25,7 +27,10 @@ class RankFiles:
         parallel = d.world_size > 1
         self.ranks = list(range(d.world_size)) if parallel else [None]
         self.parallel = parallel
-        self.format_version = PARALLEL_FORMAT if parallel else SINGLE_DEVICE_FORMAT
+        if weight_formats(d):  # what the manifest lists as weights.formats
+            self.format_version = WEIGHT_FORMATS_FORMAT
+        else:
+            self.format_version = PARALLEL_FORMAT if parallel else SINGLE_DEVICE_FORMAT
 
     @staticmethod
     def graph(name: str, rank: int | None) -> str:

@@ -1,4 +1,4 @@
-"""Op set v4 (namespace `b12x_toolchain`): every op that reads or writes a cache.
+"""Op set v5 (namespace `b12x_toolchain`): every op that reads or writes a cache, and the quantized linears.
 
 Each op is a `torch.library` op (define.py) whose schema declares what it mutates, with a
 plain-torch reference implementation (used on CPU, and on any device until a kernel is

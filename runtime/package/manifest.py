@@ -46,8 +46,10 @@ from b12x_toolchain.runtime.parallel.mapping import Mapping
 # The op set is versioned on its own: op set 4 adds hc_sinkhorn (mHC's Sinkhorn as one op),
 # and packages of op set 3 are refused with the same re-export advice. 4.1 adds parallel
 # packages (ranks' graphs and weights, the mapping as data: runtime/parallel/mapping.py);
-# a package for one device is still written as 4.0.
-FORMAT_VERSION = "4.1"
+# a package for one device is still written as 4.0. 4.2 adds weights stored in formats
+# (`weights.formats`, `weights.activation`: weight_format.py), with op set 5's quantized
+# linears; a package without them is still written as 4.0 or 4.1.
+FORMAT_VERSION = "4.2"
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
 FIELDS = ("format_version", "opset_version", "name", "recipe", "recipe_sha256", "model", "passes", "buffers",

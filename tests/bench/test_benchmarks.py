@@ -111,6 +111,7 @@ SMALL_V4 = {
     "model.compress_ratios": [4, 16, 0],
     "passes.prefill.chunk": 64,
     "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0, "decode": 0},
+    "weights": None,  # fp32 weights, as transformers holds them (dsv4-tiny stores V4 Instruct's formats)
 }
 
 

@@ -22,6 +22,7 @@ from b12x_toolchain.exporter.pipeline import export as export_module
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from conftest import SMALL, recipe_variant
+from decode_steps import FP32_WEIGHTS
 
 BUNDLED = "dsv4-tiny, dsv41, dsv41-tiny"
 
@@ -66,8 +67,8 @@ def test_card_command_uses_the_bundled_recipe_structurally(tmp_path, monkeypatch
     result = export("--recipe", "dsv41.yaml")
     assert result.exit_code == 0, result.output
     assert "dsv41.yaml: no such file; using the bundled recipe dsv41\n" in result.stderr
-    # Over a terabyte of random weights exceeds any test machine's default budget.
-    assert "dsv41: random weights take 1.2 TiB, over the budget of" in result.stderr
+    # 175 GiB of random weights in the V4.1 release's formats exceeds any test machine's default budget.
+    assert "dsv41: random weights take 175.1 GiB, over the budget of" in result.stderr
     assert "exporting structurally" in result.stderr
     [call] = recorded_exports
     assert call["recipe"].name == "dsv41" and call["structural"] and call["weights"] is None
@@ -108,13 +109,15 @@ def test_full_size_weights_are_sized_without_allocating(monkeypatch):
 
     for name in ("randn", "rand", "empty", "zeros", "ones"):
         monkeypatch.setattr(torch, name, refuse)
-    dims = Dims.from_recipe(load_recipe("dsv41"))
+    dims = Dims.from_recipe(recipe_variant(load_recipe("dsv41"), FP32_WEIGHTS))  # float32, as before formats
     started = time.perf_counter()
     size = weights_module.random_weight_bytes(dims)
     assert time.perf_counter() - started < 2.0
     parameters = sum(torch.Size(s).numel() for s in weights_module.weight_shapes(dims).values())
     assert 100e9 < parameters < 1e12 and 4 * parameters <= size <= 8 * parameters  # float32, a few int64
     assert 400e9 < size  # hundreds of GB
+    native = weights_module.random_weight_bytes(Dims.from_recipe(load_recipe("dsv41")))
+    assert 0.12 * size < native < 0.15 * size  # the release's formats: about 1.1 bytes a parameter
 
 
 def test_size_matches_the_weights_init_draws():

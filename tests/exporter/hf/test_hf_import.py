@@ -23,12 +23,20 @@ from b12x_toolchain.exporter.model.weights import weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
-from hf_reference import INDEX, save_tiny_checkpoint
+from hf_reference import INDEX, fp32_tiny_recipe, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_recipe("dsv4-tiny")
+    return fp32_tiny_recipe()  # the fp32 checkpoint's recipe; from-hf writes no `weights` section
+
+
+@pytest.fixture(scope="module")
+def tiny_yaml(tiny, tmp_path_factory) -> Path:
+    """The fp32 recipe as a file named like the bundled one, for the CLI's --recipe."""
+    path = tmp_path_factory.mktemp("recipe") / "dsv4-tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny.normalized()))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -307,19 +315,19 @@ def test_cli_from_hf_errors_are_one_line_and_write_nothing(ckpt, tmp_path):
     assert not out.exists()
 
 
-def test_cli_export_checkpoint_errors_are_one_line_and_write_nothing(ckpt, tmp_path):
+def test_cli_export_checkpoint_errors_are_one_line_and_write_nothing(ckpt, tiny_yaml, tmp_path):
     root = copy_of(ckpt, tmp_path)
     edit_tensors(root, _drop("model.layers.2.attn.wkv.weight"))
     out = tmp_path / "out"
-    line = one_error_line(run("export", "--recipe", "dsv4-tiny", "--checkpoint", root, "--out", out))
+    line = one_error_line(run("export", "--recipe", tiny_yaml, "--checkpoint", root, "--out", out))
     assert f"checkpoint {root}: model.layers.2.self_attn.kv_proj.weight: not in the checkpoint" in line
-    line = one_error_line(run("export", "--recipe", "dsv4-tiny", "--checkpoint", ckpt.path, "--weights", "init",
+    line = one_error_line(run("export", "--recipe", tiny_yaml, "--checkpoint", ckpt.path, "--weights", "init",
                               "--out", out))
     assert "--checkpoint supplies the weights" in line
     assert not out.exists()
 
 
-def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tmp_path, monkeypatch):
+def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tiny_yaml, tmp_path, monkeypatch):
     import b12x_toolchain.exporter.pipeline.export as export_module
 
     seen = {}
@@ -332,7 +340,7 @@ def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tmp_path, monke
         raise Stop
 
     monkeypatch.setattr(export_module, "export_package", fake_export_package)
-    result = run("export", "--recipe", "dsv4-tiny", "--checkpoint", ckpt.path, "--out", tmp_path / "out")
+    result = run("export", "--recipe", tiny_yaml, "--checkpoint", ckpt.path, "--out", tmp_path / "out")
     assert isinstance(result.exception, Stop), result.output
     assert seen["recipe"].name == "dsv4-tiny"
     assert seen["weights_source"] == "Hugging Face checkpoint tiny-v4"

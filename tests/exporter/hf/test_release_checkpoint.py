@@ -23,10 +23,9 @@ from b12x_toolchain.exporter.hf.release_layout import (
 )
 from b12x_toolchain.exporter.model.weights import weight_shapes, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from b12x_toolchain.runtime.package.weight_format import WeightFormat
-from hf_reference import save_tiny_checkpoint, tiny_v4_config, tiny_weights
+from hf_reference import fp32_tiny_recipe, save_tiny_checkpoint, tiny_v4_config, tiny_weights
 from release_checkpoint import (
     edit_config,
     quantize_fp4_rows,
@@ -50,7 +49,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def dims():
-    return Dims.from_recipe(load_recipe("dsv4-tiny"))
+    return Dims.from_recipe(fp32_tiny_recipe())  # release_formats maps the fp32 specs
 
 
 @pytest.fixture(scope="module")

@@ -54,9 +54,10 @@ def _rank_forward(rank, recipe, tokens):
 
 def base(recipe, weights=None):
     # History and chunk hold every position, so one prefill call covers the sequence.
-    changes = {**FP32_CACHES, "cache.history": LENGTH + 8, "passes.prefill.chunk": LENGTH, "rewrites": []}
-    if weights:
-        changes["weights"] = weights
+    # Weights fp32 unless the case names formats (None drops dsv4-tiny's V4 Instruct formats,
+    # whose 128x128 blocks no tensor split of its toy widths keeps whole).
+    changes = {**FP32_CACHES, "cache.history": LENGTH + 8, "passes.prefill.chunk": LENGTH, "rewrites": [],
+               "weights": weights}
     return recipe_variant(recipe, changes, name="parallel-base")
 
 

@@ -30,7 +30,7 @@ from b12x_toolchain.runtime.package.weight_binding import load_weights_bytes
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import SMALL, random_tokens, recipe_variant
 from decode_steps import FP32_CACHES, incremental, prefill
-from hf_reference import reference_logits, tiny_v4_config, tiny_weights
+from hf_reference import fp32_tiny_recipe, reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint
 
 pytestmark = pytest.mark.slow(minutes=2)  # two exports of the 128x128 package on two busy cores
@@ -249,7 +249,7 @@ def test_package_weight_bytes_are_the_checkpoints(packages, imported, checkpoint
 def test_a_checkpoint_the_recipe_does_not_describe_is_refused_by_name(checkpoint):
     with pytest.raises(CheckpointError, match=r"^config.json: quantization_config declares a quantized \(fp8\) "
                                               r"checkpoint, but the recipe expects every weight unquantized"):
-        load_hf_checkpoint(checkpoint[0], Dims.from_recipe(load_recipe("dsv4-tiny")))
+        load_hf_checkpoint(checkpoint[0], Dims.from_recipe(fp32_tiny_recipe()))
     other_blocks = recipe_variant(load_recipe("dsv4-tiny"), {"weights": release_scheme(32, "none")}, name="x")
     with pytest.raises(CheckpointError, match=r"weight_block_size \[128, 128\] differs from the recipe's"):
         load_hf_checkpoint(checkpoint[0], Dims.from_recipe(other_blocks))
@@ -267,6 +267,7 @@ def v41_package(tmp_path_factory):
 
 def test_v41_speculation_equals_greedy(v41_package):
     weights = v41_package.manifest.weights
+    assert (v41_package.manifest.format_version, v41_package.manifest.opset_version) == ("4.2", 5)
     assert weights.activation == "deepseek"
     assert {f.describe() for f in weights.formats.values()} == {"fp8_e4m3 32x32 ue8m0", "fp4_e2m1 1x32 ue8m0",
                                                                 "bf16"}

@@ -10,6 +10,7 @@ from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from conftest import recipe_variant
+from decode_steps import FP32_WEIGHTS
 
 MAPPINGS = [{"tensor": 2}, {"expert": 2}, {"tensor": 2, "expert": 2}]
 
@@ -45,9 +46,11 @@ def test_what_is_split_follows_the_mapping(tiny_recipe):
     assert split({"tensor": 2}, indexer) is None  # the indexer is replicated: every rank ranks the same entries
 
 
-def test_full_size_at_eight_ranks_splits_within_a_rounding_of_the_ideal():
-    recipe = load_recipe("dsv41")
-    d = Dims.from_recipe(recipe_variant(recipe, {"parallel": {"tensor": 8, "expert": 8}}))
+@pytest.mark.parametrize("weights", ["fp32", "release"])
+def test_full_size_at_eight_ranks_splits_within_a_rounding_of_the_ideal(weights):
+    recipe = load_recipe("dsv41")  # in the V4.1 release's formats; FP32_WEIGHTS drops them
+    changes = {"parallel": {"tensor": 8, "expert": 8}, **(FP32_WEIGHTS if weights == "fp32" else {})}
+    d = Dims.from_recipe(recipe_variant(recipe, changes))
     sizes = weight_bytes(d)
     assert abs(sizes["sharded_per_rank"] / sizes["sharded_ideal"] - 1) < 0.05
     whole = sizes["sharded_ideal"] * 8 + sizes["replicated"]

@@ -15,12 +15,11 @@ import torch
 
 from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
 from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
-from hf_reference import reference_logits, save_tiny_checkpoint
+from hf_reference import fp32_tiny_recipe, reference_logits, save_tiny_checkpoint
 from near_ties import first_difference
 
 pytestmark = pytest.mark.slow(minutes=3)  # the module's time on two busy cores: longest runs first
@@ -31,7 +30,7 @@ SPARSE_ATTENTION = ops.sparse_attention.default
 
 @pytest.fixture(scope="module")
 def recipe():
-    return load_recipe("dsv4-tiny")
+    return fp32_tiny_recipe()  # the checkpoint transformers saves holds fp32 weights
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import pytest
 from b12x_toolchain.exporter.model.parallel import rank_weight_specs, split_of, weight_bytes
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, weight_formats
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import parse_recipe
-from paths import RECIPES
+from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from conftest import recipe_variant
+from decode_steps import FP32_WEIGHTS
 from recipe_text import TINY_TEXT
 
 FP8_32 = "{format: fp8_e4m3, block: [32, 32], scale: ue8m0}"
@@ -70,9 +71,14 @@ def test_per_rank_bytes_follow_the_formats():
 
 
 def test_full_size_v41_in_its_release_formats_fits_eight_ways():
-    text = (RECIPES / "dsv41.yaml").read_text()
-    fp32 = weight_bytes(Dims.from_recipe(parse_recipe(text + "parallel: {tensor: 8, expert: 8}\n", "dsv41.yaml")))
-    native = weight_bytes(dims(text, "{tensor: 8, expert: 8}"))
+    # The bundled dsv41 stores the release's formats, under DeepSeek's activation rule.
+    bundled = load_recipe("dsv41")
+    release = parse_recipe(TINY_TEXT + V41_RELEASE, "t.yaml").normalized()["weights"]
+    assert bundled.normalized()["weights"] == {**release, "activation": "deepseek"}
+    eight = {"parallel": {"tensor": 8, "expert": 8}}
+    fp32 = weight_bytes(Dims.from_recipe(recipe_variant(bundled, {**eight, **FP32_WEIGHTS})))
+    native = weight_bytes(Dims.from_recipe(recipe_variant(bundled, eight)))
     total = native["sharded_ideal"] * 8 + native["replicated"]
     assert round(fp32["per_rank"] / GiB, 2) == 162.25
     assert native["per_rank"] <= 1.15 * total / 8 and native["per_rank"] / GiB < 24, native["per_rank"] / GiB
+    assert round(native["per_rank"] / GiB, 2) == 22.74  # the figure README.md quotes

@@ -107,7 +107,7 @@ def test_manifest_weight_list_must_match_the_pass_inputs(structural_path, tmp_pa
 
 @pytest.mark.slow
 def test_full_size_structural_export(tmp_path):
-    """Every pass of the full-size recipe on this CPU, without 500 GB of weights, from the CLI."""
+    """Every pass of the full-size recipe on this CPU, without its 175 GiB of weights, from the CLI."""
     from b12x_toolchain.exporter.model.weights import weight_shapes
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.recipe.loader import load_recipe
@@ -124,6 +124,10 @@ def test_full_size_structural_export(tmp_path):
     assert matches == {"prefill": 0, "verify": 40, "draft": 3, "commit": 0}  # as the recipe expects
     assert sorted(manifest.files) == ["graphs/commit.pt2", "graphs/draft.pt2", "graphs/prefill.pt2", "graphs/verify.pt2"]
     tensors = manifest.weights.tensors
-    assert tensors["model.embed_tokens.weight"] == WeightTensor("float32", (129280, 5120))  # no index: no checksums
+    # In the recipe's V4.1 release formats; no index: no checksums.
+    assert tensors["model.embed_tokens.weight"] == WeightTensor("bfloat16", (129280, 5120))
+    q = "model.layers.0.self_attn.q_a_proj.weight"  # [q_lora 1536, hidden 5120] in 32x32 blocks
+    assert (tensors[q], tensors[q + "_scale"]) == (WeightTensor("float8_e4m3fn", (1536, 5120)),
+                                                   WeightTensor("float8_e8m0fnu", (48, 160)))
     assert set(tensors) == set(weight_shapes(Dims.from_recipe(load_recipe("dsv41"))))
     assert manifest.passes["verify"].rows_buckets == (1, 2, 4, 8, 16, 32)

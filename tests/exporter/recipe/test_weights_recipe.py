@@ -11,6 +11,8 @@ from b12x_toolchain.exporter.model.weights import logical_specs, weight_formats,
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.exporter.recipe.weights import WeightsSpec
+from conftest import recipe_variant
+from decode_steps import FP32_WEIGHTS
 from paths import ROOT
 from recipe_text import TINY_TEXT, edit, line_of, parse_error
 
@@ -37,14 +39,41 @@ def section_line(text: str, key: str) -> int:
     return max(n for n, line in enumerate(lines, 1) if line.startswith(f"  {key}:"))
 
 
+# The digests the CI fingerprints were exported with before the section existed; dsv4-tiny
+# and dsv41 have since taken their releases' formats, so their fingerprints moved.
+DIGESTS_BEFORE_THE_SECTION = {
+    "dsv4-tiny": "6facb50787816fb7e588a0f98ef68e6f076620cc5cb61096b0ac4a6b577b5858",
+    "dsv41": "cfadade3c5e23e4e4c9e2bdb7f9a48a28bbf5b267bcd6349f9019c69ff7a8672",
+    "dsv41-tiny": "7691eb13b0ba0cba8da3e039ded4fd109caf0eaa6a83fda304bc0a365ac9c455",
+}
+
+
 @pytest.mark.parametrize("name", ["dsv4-tiny", "dsv41", "dsv41-tiny"])
 def test_a_recipe_without_the_section_keeps_its_digest(name):
-    # The digests the CI fingerprints were exported with, before the section existed.
-    pinned = json.loads((ROOT / "examples/ci/fingerprints" / f"{name}.manifest.json").read_text())["recipe_sha256"]
-    recipe = load_recipe(name)
-    assert "weights" not in recipe.normalized() and recipe.sha256() == pinned
+    recipe = recipe_variant(load_recipe(name), FP32_WEIGHTS)
+    assert "weights" not in recipe.normalized() and recipe.sha256() == DIGESTS_BEFORE_THE_SECTION[name]
     d = Dims.from_recipe(recipe)
     assert weight_formats(d) == {} and {dtype for _, dtype in weight_specs(d).values()} == {"float32", "int64"}
+
+
+def test_dsv41_tiny_stays_fp32_and_keeps_its_fingerprint():
+    pinned = json.loads((ROOT / "examples/ci/fingerprints/dsv41-tiny.manifest.json").read_text())["recipe_sha256"]
+    assert "weights" not in load_recipe("dsv41-tiny").normalized()
+    assert pinned == DIGESTS_BEFORE_THE_SECTION["dsv41-tiny"]
+
+
+@pytest.mark.parametrize("name, fp8", [("dsv4-tiny", "fp8_e4m3 128x128 ue8m0"), ("dsv41", "fp8_e4m3 32x32 ue8m0")])
+def test_the_bundled_releases_store_their_formats(name, fp8):
+    # V4 Instruct: 128x128 blocks, V4.1: 32x32; both FP4 experts, BF16 where the release keeps
+    # it (dsv41's unpublished DSpark heads too), under DeepSeek's activation rule.
+    weights = load_recipe(name).weights
+    formats = {role: fmt.describe() for role, fmt in weights.formats().items()}
+    assert weights.activation == "deepseek"
+    assert {role for role, kind in formats.items() if kind == fp8} == {"attention", "indexer_query", "shared_experts",
+                                                                      "draft_input"}
+    assert formats["routed_experts"] == "fp4_e2m1 1x32 ue8m0"
+    bf16 = {"embeddings", "head", "compressor", "router", "norms"} | ({"draft_heads"} if name == "dsv41" else set())
+    assert {role for role, kind in formats.items() if kind == "bf16"} == bf16
 
 
 def test_every_role_is_a_recipe_key_and_every_weight_has_at_most_one_role():

@@ -14,7 +14,7 @@ from pathlib import Path
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import weight_formats
 from b12x_toolchain.exporter.pipeline.export import buffer_table, pass_entry
-from b12x_toolchain.exporter.pipeline.rank_files import SINGLE_DEVICE_FORMAT
+from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.ops.namespace import OPSET_VERSION
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
@@ -34,7 +34,7 @@ def contract_manifest(recipe) -> dict:
     buffers = buffer_table(conventions)
     formats = cache_formats_entry(buffers)
     weights = Weights("placeholder", "weights.safetensors", formats=weight_formats(d), activation=d.activation)
-    manifest = Manifest(SINGLE_DEVICE_FORMAT, OPSET_VERSION, recipe.name, recipe.normalized(), recipe.sha256(),
+    manifest = Manifest(RankFiles(d).format_version, OPSET_VERSION, recipe.name, recipe.normalized(), recipe.sha256(),
                         ModelFacts(recipe.model.family, d.vocab, d.max_seq_len, d.noise_token_id, 0.0), passes,
                         buffers, formats, abi_fingerprint(passes, buffers, formats, weights), Rewrites((), {}),
                         weights, {"b12x": "test"})
