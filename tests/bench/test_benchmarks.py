@@ -111,7 +111,6 @@ SMALL_V4 = {
     "model.compress_ratios": [4, 16, 0],
     "passes.prefill.chunk": 64,
     "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0, "decode": 0},
-    "weights": None,  # fp32 weights, as transformers holds them (dsv4-tiny stores V4 Instruct's formats)
 }
 
 
@@ -131,7 +130,9 @@ def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
     from conftest import recipe_variant
 
     assert REGISTRY["v4_reference"] is v4_reference.v4_reference_benchmark
-    recipe = recipe_variant(v4_reference.fp32_variant(load_recipe("dsv4-tiny")), SMALL_V4, name="dsv4-small-fp32")
+    # fp32 weights, as transformers holds them (dsv4-tiny stores V4 Instruct's formats), as the benchmark takes them
+    base = v4_reference.fp32_weights(load_recipe("dsv4-tiny"))
+    recipe = recipe_variant(v4_reference.fp32_variant(base), SMALL_V4, name="dsv4-small-fp32")
     weights = init_weights(Dims.from_recipe(recipe), v4_reference.SEED)
     package = load(export_package(recipe, tmp_path, weights=weights).path)
     with warnings.catch_warnings():
