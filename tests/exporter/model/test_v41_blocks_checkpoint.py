@@ -1,0 +1,61 @@
+"""A tiny checkpoint in DeepSeek V4.1's release formats (FP8 32x32 UE8M0, FP4 experts, the
+expert dtype inside `quantization_config`), imported as stored and decoded.
+
+transformers has no V4.1 model and no V4.1 names exist outside DeepSeek's release, so the
+checkpoint is the V4 architecture in V4.1's formats: what changes between the two releases'
+weights is the block grid and where the config declares the expert dtype, and both are
+read here. transformers loads it as well, so the prefill logits are checked against it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
+from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.runtime.serving.speculative import Decoder
+from conftest import random_tokens, recipe_variant
+from decode_steps import FP32_CACHES, exported, prefill
+from exporter.model.test_quantized_weights import TOLERANCE, release_scheme
+from hf_reference import reference_logits, tiny_v4_config, tiny_weights
+from release_checkpoint import write_release_checkpoint
+
+pytestmark = pytest.mark.slow(minutes=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v41-blocks") / "ckpt"
+    write_release_checkpoint(root, tiny_v4_config(), tiny_weights(seed=5), block=(32, 32), expert_dtype_inside=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def package(checkpoint, tmp_path_factory):
+    recipe = recipe_variant(load_recipe("dsv4-tiny"), {**FP32_CACHES, "weights": release_scheme(32, "none")},
+                            name="dsv4-tiny-v41-blocks")
+    weights = load_hf_checkpoint(checkpoint, Dims.from_recipe(recipe))
+    return exported(recipe, weights, tmp_path_factory)
+
+
+def test_imported_as_stored_and_prefill_matches_transformers(package, checkpoint):
+    formats = {f.describe() for f in package.manifest.weights.formats.values()}
+    assert formats == {"fp8_e4m3 32x32 ue8m0", "fp4_e2m1 1x32 ue8m0", "bf16"}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokens = random_tokens(torch.Generator().manual_seed(3), 100)
+    got = prefill(package.session(slots=1, max_rows=1), 0, tokens)
+    err = (got - reference_logits(reference, tokens)).abs().max().item()
+    print(f"prefill {len(tokens)} tokens: max |Δlogit| {err:.3g}")
+    assert err < TOLERANCE
+
+
+def test_speculative_decoding_equals_greedy(package):
+    gen = torch.Generator().manual_seed(8)
+    prompts = [random_tokens(gen, 30), random_tokens(gen, 45)]
+    greedy = Decoder(package.session(slots=2, max_rows=2)).generate(prompts, 24, speculative=False)
+    speculative = Decoder(package.session(slots=2, max_rows=2))
+    assert speculative.generate(prompts, 24) == greedy
+    assert speculative.stats.drafted > 0
