@@ -67,7 +67,7 @@ def one_device(fp32_path, workload):
 @pytest.mark.parametrize("mapping", MAPPINGS.values(), ids=MAPPINGS.keys())
 def test_two_ranks_serve_as_one_device(fp32_recipe, weights, workload, one_device, mapping, tmp_path_factory):
     recipe = recipe_variant(fp32_recipe, {"parallel": mapping}, name="dsv41-tiny-parallel")
-    path = export_package(recipe, tmp_path_factory.mktemp("parallel"), weights=weights, jobs=2).path
+    path = export_package(recipe, tmp_path_factory.mktemp("parallel"), weights=weights).path
     ranks = on_ranks(_serve_rank, 2, str(path), workload)
     for rank, got in enumerate(ranks):
         for slot, (ours, ref) in enumerate(zip(got["logits"], one_device["logits"])):
