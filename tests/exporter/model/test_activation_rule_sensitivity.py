@@ -19,12 +19,11 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 from b12x_toolchain.exporter.model.weight_roles import role_of
 from conftest import random_tokens
-from exporter.model.test_quantized_weights import FP8_ROLES, TOLERANCE, deepseek_act_quant
+from exporter.model.test_quantized_weights import FP8_ROLES, TOLERANCE, deepseek_act_quant, experts_forward
 from hf_reference import reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint
 
@@ -40,22 +39,6 @@ def checkpoint(tmp_path_factory):
     return root
 
 
-def _experts_forward(transform):
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        """transformers' DeepseekV4Experts.forward with `transform` on both linears' inputs."""
-        final = torch.zeros_like(hidden_states)
-        mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-        for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
-            if expert == self.num_experts:
-                continue
-            pos, token = torch.where(mask[expert])
-            current = self._apply_gate(F.linear(transform(hidden_states[token]), self.gate_up_proj[expert]))
-            current = F.linear(transform(current), self.down_proj[expert]) * top_k_weights[token, pos, None]
-            final.index_add_(0, token, current)
-        return final
-    return forward
-
-
 def logits_with(checkpoint, transform, tokens) -> torch.Tensor:
     """The reference's logits with `transform` applied to every FP8/FP4 linear's input."""
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -63,7 +46,7 @@ def logits_with(checkpoint, transform, tokens) -> torch.Tensor:
         if role_of(name + ".weight") in FP8_ROLES:
             module.register_forward_pre_hook(lambda mod, args: (transform(args[0]), *args[1:]))
         elif type(module).__name__ == "DeepseekV4Experts":
-            module.forward = types.MethodType(_experts_forward(transform), module)
+            module.forward = types.MethodType(experts_forward(transform), module)
     return reference_logits(model, tokens)
 
 

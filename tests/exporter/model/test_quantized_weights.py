@@ -132,18 +132,20 @@ def deepseek_act_quant(x: torch.Tensor, group: int = 128) -> torch.Tensor:
     return (q * scale).reshape(shape)[..., :n]
 
 
-def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """transformers' DeepseekV4Experts.forward with the rule applied to both linears' inputs."""
-    final = torch.zeros_like(hidden_states)
-    mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-    for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
-        if expert == self.num_experts:
-            continue
-        pos, token = torch.where(mask[expert])
-        current = self._apply_gate(F.linear(deepseek_act_quant(hidden_states[token]), self.gate_up_proj[expert]))
-        current = F.linear(deepseek_act_quant(current), self.down_proj[expert]) * top_k_weights[token, pos, None]
-        final.index_add_(0, token, current)
-    return final
+def experts_forward(transform):
+    """transformers' DeepseekV4Experts.forward with `transform` applied to both linears' inputs."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
+            if expert == self.num_experts:
+                continue
+            pos, token = torch.where(mask[expert])
+            current = self._apply_gate(F.linear(transform(hidden_states[token]), self.gate_up_proj[expert]))
+            current = F.linear(transform(current), self.down_proj[expert]) * top_k_weights[token, pos, None]
+            final.index_add_(0, token, current)
+        return final
+    return forward
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +158,7 @@ def deepseek_reference(checkpoint):
             module.register_forward_pre_hook(lambda mod, args: (deepseek_act_quant(args[0]), *args[1:]))
             hooked += 1
         elif type(module).__name__ == "DeepseekV4Experts":
-            module.forward = types.MethodType(_experts_forward, module)
+            module.forward = types.MethodType(experts_forward(deepseek_act_quant), module)
             hooked += 1
     assert hooked > 20
     return model
