@@ -133,13 +133,15 @@ def fresh_venv(tmp_path: Path, *wheels: Path) -> FreshVenv:
     """A new venv with these wheels installed in this order, without their dependencies; torch
     and the rest come from the dev venv through a .pth file written after the installs."""
     venv = tmp_path / "venv"
-    run_quietly(sys.executable, "-m", "venv", venv)
+    # Without pip: seeding one is most of a venv's creation; the dev venv's pip installs into
+    # this one instead (`--python`), the same files a pip inside it would write.
+    run_quietly(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
     # No PYTHONPATH: it may not put the repository's sources on sys.path.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     for wheel in wheels:
         # --no-compile: byte-compiling FlashInfer's ~14,000 modules is 2/3 of its install time.
-        run_quietly(python, "-m", "pip", "install", "--no-deps", "--no-compile",
+        run_quietly(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-compile",
                     "--disable-pip-version-check", wheel, cwd=tmp_path, env=env)
     print_paths = "import json, sysconfig; print(json.dumps(sysconfig.get_paths()))"
     venv_paths = json.loads(run_quietly(python, "-c", print_paths, cwd=tmp_path, env=env).stdout)
