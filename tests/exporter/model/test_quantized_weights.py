@@ -273,9 +273,14 @@ def test_v41_speculation_equals_greedy(v41_package):
     assert weights.activation == "deepseek"
     assert {f.describe() for f in weights.formats.values()} == {"fp8_e4m3 32x32 ue8m0", "fp4_e2m1 1x32 ue8m0",
                                                                 "bf16"}
-    gen = torch.Generator().manual_seed(7)
+    assert_speculation_equals_greedy(v41_package, seed=7)
+
+
+def assert_speculation_equals_greedy(package, seed: int):
+    """Two prompts decoded 24 tokens: speculative decoding gives greedy's tokens, with drafts made."""
+    gen = torch.Generator().manual_seed(seed)
     prompts = [random_tokens(gen, 30), random_tokens(gen, 45)]
-    greedy = Decoder(v41_package.session(slots=2, max_rows=2)).generate(prompts, 24, speculative=False)
-    speculative = Decoder(v41_package.session(slots=2, max_rows=2))
+    greedy = Decoder(package.session(slots=2, max_rows=2)).generate(prompts, 24, speculative=False)
+    speculative = Decoder(package.session(slots=2, max_rows=2))
     assert speculative.generate(prompts, 24) == greedy
     assert speculative.stats.drafted > 0

@@ -16,10 +16,9 @@ import transformers
 from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES, exported, prefill
-from exporter.model.test_quantized_weights import TOLERANCE, release_scheme
+from exporter.model.test_quantized_weights import TOLERANCE, assert_speculation_equals_greedy, release_scheme
 from hf_reference import reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint
 
@@ -53,9 +52,4 @@ def test_imported_as_stored_and_prefill_matches_transformers(package, checkpoint
 
 
 def test_speculative_decoding_equals_greedy(package):
-    gen = torch.Generator().manual_seed(8)
-    prompts = [random_tokens(gen, 30), random_tokens(gen, 45)]
-    greedy = Decoder(package.session(slots=2, max_rows=2)).generate(prompts, 24, speculative=False)
-    speculative = Decoder(package.session(slots=2, max_rows=2))
-    assert speculative.generate(prompts, 24) == greedy
-    assert speculative.stats.drafted > 0
+    assert_speculation_equals_greedy(package, seed=8)
