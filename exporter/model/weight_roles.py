@@ -17,6 +17,11 @@ Instruct checkpoints hold.
 | router          | mlp.gate.weight                                                   | fp32 bf16             | bf16                  |
 | norms           | *norm.weight                                                      | fp32 bf16             | bf16                  |
 | draft_heads     | dspark.markov.{embed, out.weight}, dspark.confidence.weight       | fp32 bf16             | (unpublished)         |
+| engram_tables   | engram.embed.weight                                               | fp32 bf16 fp8 1x32    | fp8 1x32 ue8m0        |
+| engram_projection | engram.wkv.weight                                               | fp32 bf16 fp8         | fp8 32x32 ue8m0       |
+
+Engram's gate gains `engram.{q_weight, k_weight}` are norms. Its token map
+`model.engram.token_map` stays int64, as the hash-routing table does.
 
 Everything else stays as it is: sinks, the mHC mixers (`*_hc.*`, `hc_head.*`), the
 compressors' position bias, the router's bias and DSpark's confidence bias in fp32 (as the
@@ -39,7 +44,10 @@ ROLE_KINDS = {
     "router": PLAIN,
     "norms": PLAIN,
     "draft_heads": PLAIN,
+    "engram_tables": LINEAR,
+    "engram_projection": LINEAR,
 }
+ROLE_BLOCKS = {"engram_tables": ((1, 32),)}  # a row is looked up alone: one scale per 32 of its values
 ROLES = tuple(ROLE_KINDS)
 
 ROLE_SUFFIXES = (
@@ -64,6 +72,10 @@ ROLE_SUFFIXES = (
     ("dspark.markov.embed", "draft_heads"),
     ("dspark.markov.out.weight", "draft_heads"),
     ("dspark.confidence.weight", "draft_heads"),
+    ("engram.embed.weight", "engram_tables"),
+    ("engram.wkv.weight", "engram_projection"),
+    ("engram.q_weight", "norms"),
+    ("engram.k_weight", "norms"),
 )
 
 

@@ -26,6 +26,27 @@ class MoeDims:
 
 
 @dataclass(frozen=True)
+class EngramDims:
+    layer_ids: tuple[int, ...]
+    max_ngram: int
+    heads: int  # per order
+    head_dim: int
+    prime_start: int
+    compressed_vocab: int
+    pad_id: int
+    token_map: str
+
+    @property
+    def columns(self) -> int:
+        return (self.max_ngram - 1) * self.heads
+
+    @classmethod
+    def from_spec(cls, e) -> "EngramDims":
+        return cls(tuple(e.layer_ids), e.max_ngram, e.heads_per_order, e.head_dim, e.prime_search_start,
+                   e.compressed_vocab_size, e.pad_id, e.token_map)
+
+
+@dataclass(frozen=True)
 class Dims:
     family: str
     vocab: int
@@ -77,6 +98,7 @@ class Dims:
     markov_rank: int = 0
     confidence_threshold: float = 0.0
     draft_moe: MoeDims | None = None
+    engram: EngramDims | None = None  # V4.1's n-gram memory layers (None: none)
     # The parallel mapping (exporter/recipe/parallel.py); 1, 1 on one device.
     tensor: int = 1
     expert: int = 1
@@ -122,7 +144,8 @@ class Dims:
                    candidate_blocks=cs.candidate_topk_blocks, candidate_block_size=cs.candidate_block_size,
                    target_layer_ids=tuple(m.draft.target_layer_ids), noise_token_id=m.draft.noise_token_id,
                    markov_rank=m.draft.markov_rank, confidence_threshold=m.draft.confidence_threshold,
-                   draft_moe=MoeDims.from_spec(m.draft.moe))
+                   draft_moe=MoeDims.from_spec(m.draft.moe),
+                   engram=None if m.engram is None else EngramDims.from_spec(m.engram))
 
     @property
     def v4(self) -> bool:

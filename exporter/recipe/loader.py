@@ -246,6 +246,8 @@ class Recipe(_Spec):
         for section in ("parallel", "weights"):  # likewise a recipe for one device, or all in fp32
             if data.get(section) is None:
                 data.pop(section, None)
+        if data["model"].get("engram", 0) is None:  # and a model without Engram layers
+            data["model"].pop("engram")
         return _sort_keys(data)
 
     def sha256(self) -> str:

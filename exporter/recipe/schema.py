@@ -187,13 +187,49 @@ class DSparkSpec(_Spec):
     moe: MoeSpec
 
 
+class EngramSpec(_Spec):
+    """Engram: before each listed layer, the token's 2- to `max_ngram`-grams of compressed
+    token ids are hashed by `heads_per_order` heads per order into rows of the layer's table;
+    the rows, projected and gated, are added to every hyper-connection stream.
+
+    Each head's table has a prime row count: consecutive primes from `prime_search_start`,
+    layer by layer, order by order, head by head (exporter/model/engram_hashing.py). The
+    table's storage format is the `engram_tables` role of the `weights` section, as every
+    weight's format is. `token_map` says how token ids become compressed ids: `identity`
+    (id mod compressed_vocab_size) or `tokenizer` (derived from the checkpoint's
+    tokenizer.json as DeepSeek's reference normalises it: exporter/model/engram_token_map.py).
+    """
+
+    layer_ids: Ids
+    max_ngram: Annotated[int, Strict(), Field(ge=2)]
+    heads_per_order: PosInt
+    head_dim: Annotated[PosInt, _check(lambda v: v % 32 == 0, "a multiple of 32")]  # 32-value table scale blocks
+    prime_search_start: Annotated[int, Strict(), Field(ge=2)]
+    compressed_vocab_size: PosInt
+    pad_id: NonNegInt
+    token_map: Literal["identity", "tokenizer"] = "identity"
+
+    @model_validator(mode="after")
+    def _pad_in_vocab(self) -> EngramSpec:
+        if self.pad_id >= self.compressed_vocab_size:
+            raise _problem(f"{self.pad_id} is out of range; expected < compressed_vocab_size"
+                           f" = {self.compressed_vocab_size}", ("pad_id",))
+        return self
+
+    @property
+    def columns(self) -> int:
+        """Hash columns (and table heads) per layer: (max_ngram - 1) orders x heads_per_order."""
+        return (self.max_ngram - 1) * self.heads_per_order
+
+
 class V41ModelSpec(_DeepSeek):
-    """DeepSeek V4.1 (Flash): ratio-2 and ratio-1 compressors shared across layers, DSpark."""
+    """DeepSeek V4.1 (Flash): ratio-2 and ratio-1 compressors shared across layers, DSpark, Engram."""
 
     family: Literal["deepseek_v41"]
     compress_ratios: tuple[Ratio, ...]  # per target layer, then 0 per draft stage
     csa2: Csa2Spec
     draft: DSparkSpec
+    engram: EngramSpec | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> V41ModelSpec:
@@ -205,6 +241,13 @@ class V41ModelSpec(_DeepSeek):
         if self.draft.moe.hash_layers:
             raise _problem("draft stages route by score; hash routing needs a target layer", ("draft", "moe", "hash_layers"))
         self._check_roles()
+        if self.engram is not None:
+            self._check_layer_ids(self.engram.layer_ids, ("engram", "layer_ids"))
+            if list(self.engram.layer_ids) != sorted(self.engram.layer_ids):
+                raise _problem(f"{list(self.engram.layer_ids)} is not in increasing order", ("engram", "layer_ids"))
+            if self.engram.compressed_vocab_size > self.vocab_size:
+                raise _problem(f"{self.engram.compressed_vocab_size} is more than vocab_size = {self.vocab_size}; "
+                               "compression maps token ids onto at most as many ids", ("engram", "compressed_vocab_size"))
         return self
 
     def _check_roles(self) -> None:

@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, model_validator
 
-from b12x_toolchain.exporter.model.weight_roles import ROLE_KINDS
+from b12x_toolchain.exporter.model.weight_roles import ROLE_BLOCKS, ROLE_KINDS
 from b12x_toolchain.exporter.recipe.field_types import PosInt, _problem, _Spec
 from b12x_toolchain.runtime.package.weight_format import FP4_BLOCK, WeightFormat, format_problem
 
@@ -72,6 +72,8 @@ class WeightsSpec(_Spec):
     router: Format = FP32
     norms: Format = FP32
     draft_heads: Format = FP32
+    engram_tables: Format = FP32
+    engram_projection: Format = FP32
 
     def formats(self) -> dict[str, WeightFormat]:
         """role -> format, for every role."""
@@ -83,6 +85,10 @@ class WeightsSpec(_Spec):
             kind = getattr(self, role).format
             if kind not in kinds:
                 raise _problem(f"{kind} is not a format {role} takes ({', '.join(kinds)})", (role, "format"))
+            block = getattr(self, role).block
+            if block is not None and role in ROLE_BLOCKS and tuple(block) not in ROLE_BLOCKS[role]:
+                shown = ", ".join(f"[{m}, {n}]" for m, n in ROLE_BLOCKS[role])
+                raise _problem(f"{list(block)} is not a block {role} takes ({shown})", (role, "block"))
         if self.activation == "deepseek" and not any(f.quantized for f in self.formats().values()):
             raise _problem("deepseek quantizes activations before FP8/FP4 linears, and no role is fp8_e4m3 or "
                            "fp4_e2m1; use none", ("activation",))
