@@ -209,3 +209,61 @@ def test_bad_lookup_inputs_are_refused_by_name(table, scale, message):
 
 def test_the_ops_are_in_the_op_set():
     assert {"engram_hash", "engram_lookup"} <= set(OPS)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+
+@pytest.fixture(scope="module")
+def triton_engram():
+    pytest.importorskip("triton")
+    from b12x_toolchain.runtime.ops import triton_engram
+
+    return triton_engram
+
+
+def _on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("rows,tokens", [(3, 150), (1, 1), (2, 0)])
+def test_hash_kernel_is_the_reference_bitwise(triton_engram, rows, tokens):
+    ids = _ids((rows, tokens), 10)
+    lookback = _ids((rows, 3), 11, dead=0.3)
+    lookback[0] = -1
+    got = triton_engram.engram_hash(*_on_device(ids, lookback), MULTIPLIERS, PRIMES, PAD)
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), _hash(ids, lookback))
+
+
+def test_hash_kernel_takes_another_order_and_head_count(triton_engram):
+    multipliers, primes = MULTIPLIERS[:3], [101, 103, 107, 109, 113, 127]  # n = 3: orders 2, 3 x 3 heads
+    ids, lookback = _ids((2, 20), 12), _ids((2, 2), 13)
+    got = triton_engram.engram_hash(*_on_device(ids, lookback), multipliers, primes, 5)
+    assert torch.equal(got.cpu(), ops.engram_hash(ids, lookback, multipliers, primes, 5))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")  # the interpreter's inf products
+def test_fp8_lookup_kernel_is_the_reference_bytewise(triton_engram):
+    table, scale = fp8_table(40, 96, 14)  # three scales a row; subnormal and huge products included
+    row_ids = _row_ids(40, (4, 5), 15)
+    got = triton_engram.engram_lookup(*_on_device(table, scale, row_ids))
+    assert _same_bytes(got, ops.engram_lookup(table, scale, row_ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_lookup_kernel_is_the_reference_bytewise(triton_engram, dtype):
+    table = torch.randn(30, 70, generator=_gen(16)).to(dtype)
+    table[3, 5] = float("nan")  # copied as bits: any payload comes back as stored
+    row_ids = _row_ids(30, (2, 3, 2), 17)
+    got = triton_engram.engram_lookup(table.to(DEVICE), None, row_ids.to(DEVICE))
+    assert _same_bytes(got, ops.engram_lookup(table, None, row_ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host table read from the GPU needs one")
+def test_lookup_kernel_reads_a_pinned_host_table_and_refuses_a_pageable_one(triton_engram):
+    table, scale = fp8_table(40, 64, 18)
+    row_ids = _row_ids(40, (3, 4), 19).cuda()
+    got = triton_engram.engram_lookup(table.pin_memory(), scale.pin_memory(), row_ids)
+    assert got.is_cuda and _same_bytes(got, ops.engram_lookup(table, scale, row_ids.cpu()))
+    with pytest.raises(ValueError, match="pageable host memory"):
+        triton_engram.engram_lookup(table, scale, row_ids)
