@@ -26,6 +26,7 @@ import triton.language as tl
 
 from b12x_toolchain.runtime.ops.engram_ops import (
     DEAD,
+    SCALE_BLOCK,
     check_engram_hash,
     check_engram_table,
     lookup_dtype,
@@ -35,7 +36,6 @@ from b12x_toolchain.runtime.ops.triton_codecs import _ue8m0_value, e4m3_value
 
 HASH_BLOCK = 128  # tokens per hash program
 LOOKUP_BLOCK = 256  # row values per lookup program: one Engram head row of V4.1
-SCALE_GROUP = 32  # values per UE8M0 scale
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}  # stored rows copy as these
 
 
@@ -127,5 +127,5 @@ def engram_lookup(table: torch.Tensor, scale: Optional[torch.Tensor], row_ids: t
             src, dst, scales, scale_stride = table.view(bits), out.view(bits), flat_ids, 0  # flat_ids: unread
         _lookup_kernel[(flat_ids.shape[0], triton.cdiv(dim, LOOKUP_BLOCK))](
             src, scales, flat_ids.contiguous(), dst, dim, table.stride(0), scale_stride, FP8=fp8,
-            BLOCK=LOOKUP_BLOCK, GROUP=SCALE_GROUP)
+            BLOCK=LOOKUP_BLOCK, GROUP=SCALE_BLOCK[1])
     return out
