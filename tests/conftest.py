@@ -116,6 +116,7 @@ SMALL = {  # one window-only and one ratio-2 (Full) layer, one draft stage: expo
     "model.csa2": {"kv_source_layer_ids": [1], "index_source_layer_ids": [1], "candidate_source_layer_id": None},
     "model.draft.stages": 1,
     "model.draft.target_layer_ids": [1],
+    "model.engram.layer_ids": [1],
     "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 1, "commit": 0, "decode": 0},
 }
 
