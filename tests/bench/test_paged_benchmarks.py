@@ -62,7 +62,7 @@ def test_byte_accounting_of_the_tiny_recipe(tiny_recipe):
     assert index.bytes_per_token == index.record_bytes_per_token == 17 / 2 + 17
     assert {k: (r.caches, r.slot_bytes) for k, r in rings.items()} == {
         "window_ring": (6, 6 * 128 * 66), "compressor_state": (1, 2 * 512), "draft_window": (2, 2 * 128 * 66),
-        "seq_len": (1, 4)}
+        "token_history": (1, 4 * 4), "seq_len": (1, 4)}  # Engram: the last 4 compressed ids, float32
     ring = sum(r.slot_bytes for r in rings.values())
     assert pm.slot_bytes(pools, rings, None) == ring + 16 * entries.page_bytes + 32 * index.page_bytes
     assert pm.slot_bytes(pools, rings, 100) == ring + 2 * entries.page_bytes + 4 * index.page_bytes

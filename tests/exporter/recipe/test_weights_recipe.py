@@ -40,17 +40,19 @@ def section_line(text: str, key: str) -> int:
 
 
 # The digests the CI fingerprints were exported with before the section existed; dsv4-tiny
-# and dsv41 have since taken their releases' formats, so their fingerprints moved.
+# and dsv41 have since taken their releases' formats, and the V4.1 recipes Engram, so their
+# fingerprints moved. Dropping both optional parts gives the digests back.
 DIGESTS_BEFORE_THE_SECTION = {
     "dsv4-tiny": "6facb50787816fb7e588a0f98ef68e6f076620cc5cb61096b0ac4a6b577b5858",
     "dsv41": "cfadade3c5e23e4e4c9e2bdb7f9a48a28bbf5b267bcd6349f9019c69ff7a8672",
     "dsv41-tiny": "7691eb13b0ba0cba8da3e039ded4fd109caf0eaa6a83fda304bc0a365ac9c455",
 }
+WITHOUT_ENGRAM = {"model.engram": None}
 
 
 @pytest.mark.parametrize("name", ["dsv4-tiny", "dsv41", "dsv41-tiny"])
 def test_a_recipe_without_the_section_keeps_its_digest(name):
-    recipe = recipe_variant(load_recipe(name), FP32_WEIGHTS)
+    recipe = recipe_variant(load_recipe(name), {**FP32_WEIGHTS, **({} if name == "dsv4-tiny" else WITHOUT_ENGRAM)})
     assert "weights" not in recipe.normalized() and recipe.sha256() == DIGESTS_BEFORE_THE_SECTION[name]
     d = Dims.from_recipe(recipe)
     assert weight_formats(d) == {} and {dtype for _, dtype in weight_specs(d).values()} == {"float32", "int64"}
@@ -59,7 +61,7 @@ def test_a_recipe_without_the_section_keeps_its_digest(name):
 def test_dsv41_tiny_stays_fp32_and_keeps_its_fingerprint():
     pinned = json.loads((ROOT / "examples/ci/fingerprints/dsv41-tiny.manifest.json").read_text())["recipe_sha256"]
     assert "weights" not in load_recipe("dsv41-tiny").normalized()
-    assert pinned == DIGESTS_BEFORE_THE_SECTION["dsv41-tiny"]
+    assert pinned == load_recipe("dsv41-tiny").sha256()
 
 
 @pytest.mark.parametrize("name, fp8", [("dsv4-tiny", "fp8_e4m3 128x128 ue8m0"), ("dsv41", "fp8_e4m3 32x32 ue8m0")])
@@ -69,9 +71,11 @@ def test_the_bundled_releases_store_their_formats(name, fp8):
     weights = load_recipe(name).weights
     formats = {role: fmt.describe() for role, fmt in weights.formats().items()}
     assert weights.activation == "deepseek"
+    engram = {"engram_projection"} if name == "dsv41" else set()  # and its tables in 1x32 blocks
     assert {role for role, kind in formats.items() if kind == fp8} == {"attention", "indexer_query", "shared_experts",
-                                                                      "draft_input"}
+                                                                      "draft_input"} | engram
     assert formats["routed_experts"] == "fp4_e2m1 1x32 ue8m0"
+    assert formats["engram_tables"] == ("fp8_e4m3 1x32 ue8m0" if name == "dsv41" else "fp32")
     bf16 = {"embeddings", "head", "compressor", "router", "norms"} | ({"draft_heads"} if name == "dsv41" else set())
     assert {role for role, kind in formats.items() if kind == "bf16"} == bf16
 
@@ -84,7 +88,7 @@ def test_every_role_is_a_recipe_key_and_every_weight_has_at_most_one_role():
         found |= {role_of(n) for n in names}
         # A weight without a role keeps its format: sinks, mHC mixers, biases, the hash table.
         fixed = [n for n in names if role_of(n) is None]
-        assert all(n.endswith(("sinks", "tid2eid", "position_bias", "bias")) or "_hc." in n or ".hc_head." in n
+        assert all(n.endswith(("sinks", "tid2eid", "token_map", "position_bias", "bias")) or "_hc." in n or ".hc_head." in n
                    for n in fixed), fixed
     assert found == {*ROLES, None}  # the two families hold every role between them
 

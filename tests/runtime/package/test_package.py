@@ -35,7 +35,7 @@ def test_export_twice_in_another_process_is_byte_identical(fused_path, tmp_path)
 
 def test_manifest_records_what_the_abi_says(fused_pkg, tiny_recipe):
     m = fused_pkg.manifest
-    assert m.format_version == "4.0" and m.opset_version == 5
+    assert m.format_version == "4.3" and m.opset_version == 6
     assert m.recipe_sha256 == tiny_recipe.sha256()
     assert m.passes["verify"].width == 8 and m.passes["draft"].width == 7
     assert m.passes["verify"].rows_buckets == (1, 2, 4, 8)
@@ -89,13 +89,13 @@ def test_loaded_weights_view_the_one_buffer_their_file_was_read_and_hashed_into(
 
 def test_load_refuses_a_newer_format_major(copy_of):
     _edit_manifest(copy_of, lambda m: m.update(format_version="5.0"))
-    with pytest.raises(PackageError, match=r"format_version 5\.0 is not supported .*reads 4\.0 to 4\.2"):
+    with pytest.raises(PackageError, match=r"format_version 5\.0 is not supported .*reads 4\.0 to 4\.3"):
         load(copy_of)
 
 
 def test_load_refuses_a_newer_minor_and_an_older_major(copy_of):
-    _edit_manifest(copy_of, lambda m: m.update(format_version="4.3"))
-    with pytest.raises(PackageError, match="format_version 4.3"):
+    _edit_manifest(copy_of, lambda m: m.update(format_version="4.4"))
+    with pytest.raises(PackageError, match="format_version 4.4"):
         load(copy_of)
     # Format 1 recorded no buffer data: such a package is re-exported, not guessed at.
     _edit_manifest(copy_of, lambda m: m.update(format_version="1.1"))
@@ -104,8 +104,8 @@ def test_load_refuses_a_newer_minor_and_an_older_major(copy_of):
 
 
 def test_load_refuses_an_unknown_opset(copy_of):
-    _edit_manifest(copy_of, lambda m: m.update(opset_version=6))
-    with pytest.raises(PackageError, match="opset_version 6 is unknown"):
+    _edit_manifest(copy_of, lambda m: m.update(opset_version=7))
+    with pytest.raises(PackageError, match="opset_version 7 is unknown"):
         load(copy_of)
 
 

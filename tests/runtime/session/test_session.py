@@ -70,7 +70,8 @@ def test_commit_leaves_caches_like_prefill(consistency):
         cache_b = b.caches[name]
         if cache_a.dtype != torch.uint8:
             continue
-        fmt, dim = _format_of(name)
+        info = a.package.buffers[name].info  # what the cache is, as the manifest records it
+        fmt, dim = info.format, info.dims
         # Rows of rings and records of pages alike (both sessions hand out pages in one order).
         cache_a, cache_b = (c.reshape(-1, get_format(fmt).row_bytes(dim)) for c in (cache_a, cache_b))
         # Which rows were written (ring indices, compressed slots, state rows) must match exactly.
@@ -95,16 +96,6 @@ def test_commit_leaves_caches_like_prefill(consistency):
         bound = {"dsv41_mxfp8": 0.125 * scale + 1e-6, "dsv41_nvfp4": row_max / 3 + 1e-6, "ocp_mxfp4": row_max / 2 + 1e-6,
                  "fp32": 1e-4 * row_max + 1e-6}[fmt]
         assert ((da - db).abs() <= bound).all(), name
-
-
-def _format_of(name):
-    if name.endswith(".compressed"):
-        return "dsv41_nvfp4", 64
-    if name.endswith(".index"):
-        return "ocp_mxfp4", 32
-    if name.endswith(".state"):
-        return "fp32", 128
-    return "dsv41_mxfp8", 64
 
 
 def test_verify_logits_match_prefill_logits(consistency, fused_pkg):
