@@ -8,6 +8,7 @@ import copy
 import pytest
 
 from b12x_toolchain.exporter.hf.config import HfConfigError, engram_section, recipe_from_hf_config
+from b12x_toolchain.exporter.hf.names import target_of
 from b12x_toolchain.exporter.hf.quantization import weights_section
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from hf_reference import tiny_v4_config
@@ -81,3 +82,14 @@ def test_from_hf_does_not_drop_engram_layers(v41_config):
     # export another model, so it is refused.
     with pytest.raises(HfConfigError, match=r"engram_layer_ids: the config has Engram layers \[1, 14\]"):
         recipe_from_hf_config(with_engram(v41_config), load_recipe("dsv4-tiny"), "x")
+
+
+@pytest.mark.parametrize("stored, ours", [
+    ("layers.1.engram.embed.weight", "model.layers.1.engram.embed.weight"),
+    ("layers.14.engram.wkv.weight", "model.layers.14.engram.wkv.weight"),  # not the attention's kv_proj
+    ("layers.1.engram.q_weight", "model.layers.1.engram.q_weight"),
+    ("model.layers.1.engram.k_weight", "model.layers.1.engram.k_weight"),
+    ("layers.1.attn.wkv.weight", "model.layers.1.self_attn.kv_proj.weight"),
+])
+def test_release_engram_names(stored, ours):
+    assert target_of(stored).name == ours
