@@ -25,6 +25,30 @@ def exported(recipe, weights, tmp_path_factory, changes=None, name=None):
     return load(export_package(recipe, tmp_path_factory.mktemp(recipe.name), weights=weights).path)
 
 
+def single_forward(recipe, weights, tokens, module_hook=None):
+    """Every position in one prefill call of the eager module: nothing is read back from a cache.
+    `module_hook(module)` may replace a part of the module first (a reference to compare with)."""
+    import paging
+    from b12x_toolchain.exporter.model.pass_modules import PASSES
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from conftest import recipe_variant
+
+    n = len(tokens)
+    variant = recipe_variant(recipe, {**FP32_CACHES, "cache.history": n, "passes.prefill.chunk": n, "rewrites": []},
+                             name="single-forward")
+    module = PASSES["prefill"](Dims.from_recipe(variant))
+    if module_hook is not None:
+        module_hook(module)
+    inputs, _ = module.convention()
+    caches = {s.name: torch.zeros(s.resolve(paging.symbols(inputs, 2)), dtype=s.torch_dtype) for s in module.caches()}
+    one = torch.tensor([0], dtype=torch.int32)
+    with torch.no_grad():
+        out = module(weights, caches, {}, {"tokens": torch.tensor([tokens], dtype=torch.int32), "row_ids": one,
+                                           "positions": one * 0, "lengths": one * n,
+                                           **paging.block_tables(inputs, one)})
+    return out["logits"][0]
+
+
 def prefill(session, slot, tokens):
     chunk = session.package.passes["prefill"].width
     rows = []

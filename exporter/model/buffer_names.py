@@ -29,7 +29,8 @@ PARTS = {  # the part of an owner's buffer of each kind; a cache's staging has t
     "draft_context_staging": "context",
 }
 
-SEQ_LEN = "cache.seq_len"  # the one cache without an owner
+SEQ_LEN = "cache.seq_len"  # caches without an owner: the committed length,
+ENGRAM_HISTORY = "engram.history"  # and Engram's token history (local name: its staging shares it)
 
 ROW_INPUTS = {  # the name of a pass's row input of each kind
     "token_ids": "tokens",

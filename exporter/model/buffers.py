@@ -128,10 +128,20 @@ def window_staging(name: str, d: Dims, width: int, *, layer=None, stage=None) ->
 SEQ_LEN = BufferSpec(names.SEQ_LEN, "cache", "int32", ("slots",), BufferInfo("seq_len"))
 
 
+def token_history(d: Dims) -> Owned | None:
+    """Engram's per-slot ring of compressed token ids (exporter/model/engram.py); None without Engram."""
+    if d.engram is None:
+        return None
+    return Owned(names.ENGRAM_HISTORY, "token_history", d.engram.max_ngram, STATE_FORMAT, 1, 1)
+
+
 def cache_specs(d: Dims, drafter) -> list[BufferSpec]:
     specs = [paged_cache(d, names.cache(c.name), c, i) if KINDS[c.kind].pool is not None
              else cache(names.cache(c.name), c.kind, c.rows, c.fmt, c.dims, layer=i, ratio=c.ratio)
              for i in range(d.layers) for c in owned_caches(d, i)]
+    history = token_history(d)
+    if history is not None:
+        specs.append(cache(names.cache(history.name), history.kind, history.rows, history.fmt, history.dims))
     return specs + drafter.cache_specs() + [SEQ_LEN]
 
 
@@ -144,6 +154,10 @@ def verify_staging_specs(d: Dims, drafter) -> list[BufferSpec]:
             else:
                 specs.append(staged_rows(names.staging("verify", c.name), STAGING_KIND[c.kind], w, c.fmt, c.dims,
                                          layer=i, ratio=c.ratio))
+    history = token_history(d)
+    if history is not None:
+        specs.append(staged_rows(names.staging("verify", history.name), "token_history_staging", w, history.fmt,
+                                 history.dims))
     return specs + drafter.verify_staging_specs()
 
 

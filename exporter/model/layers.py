@@ -185,7 +185,8 @@ class DeepSeekCompute(torch.nn.Module):
     def own_buffers(w, io, prefix: str, caches: list[str], ffn: bool) -> tuple[list[str], list[torch.Tensor]]:
         """A half layer's own weights (by name below the layer's prefix; the MoE half's or the
         rest) and cache buffers, in a fixed order."""
-        names = sorted(name for name in w if name.startswith(prefix) and name[len(prefix):].startswith(FFN_PARTS) == ffn)
+        names = sorted(name for name in w if name.startswith(prefix) and not name[len(prefix):].startswith("engram.")
+                       and name[len(prefix):].startswith(FFN_PARTS) == ffn)  # Engram runs before the layer
         tensors = [w[name] for name in names] + [t for cache in caches for t in io.owned(cache)]
         return [name[len(prefix):] for name in names], tensors
 

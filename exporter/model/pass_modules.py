@@ -15,6 +15,7 @@ from b12x_toolchain.exporter.model import buffer_names as names
 from b12x_toolchain.exporter.model import buffers
 from b12x_toolchain.exporter.model.cache_io import DirectIO, StagedIO, slot_mapping
 from b12x_toolchain.exporter.model.dspark import DSparkDrafter
+from b12x_toolchain.exporter.model.engram import Engram
 from b12x_toolchain.exporter.model.layers import DeepSeekCompute, Shared
 from b12x_toolchain.exporter.model.mtp import MtpDrafter
 from b12x_toolchain.runtime.ops.opset import ops
@@ -30,6 +31,7 @@ class DeepSeekPass(DeepSeekCompute):
     def __init__(self, d, rank: int = 0):
         super().__init__(d, rank)
         self.drafter = (MtpDrafter if d.v4 else DSparkDrafter)(d, self)
+        self.engram = Engram(d, self.linear) if d.engram is not None else None
 
     def target(self, w, io, caches, tokens, pos, row_ids):
         """All target layers; returns the logits, the final streams and each layer's streams."""
@@ -40,7 +42,10 @@ class DeepSeekPass(DeepSeekCompute):
         streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
         shared, taps = Shared(), {}
         visible = self.visible(pos, io.key_positions(pos.shape[1]))
+        engram = self.engram.hashes(w, io, tokens) if self.engram else {}  # every layer's rows, before layer 0
         for i, ratio in enumerate(d.ratios):
+            if i in engram:  # on the streams the layer's first mHC mix reads
+                streams = self.engram.block(w, i, streams, engram[i])
             compressed = self.compressed_keys(w, i, io, caches, row_ids, pos, shared, compress) if ratio else None
 
             def attention(streams, i=i, ratio=ratio, compressed=compressed):
@@ -168,6 +173,10 @@ class CommitPass(DeepSeekPass):
                     ops.write_slots(cache, stage, slots, "bytes")
                 else:  # state: the last span - 1 committed rows are all a later group can read
                     ops.write_rows(cache, stage, row_ids, pos % c.rows, accepted & (pos > end - c.rows), "bytes")
+        history = buffers.token_history(d)
+        if history is not None:  # like a state ring: the accepted rows the next pass can read
+            ops.write_rows(caches[names.cache(history.name)], staging[names.staging(self.reads_staging_of, history.name)],
+                           row_ids, pos % history.rows, accepted & (pos > end - history.rows), "bytes")
         self.drafter.commit(caches, staging, row_ids, pos, accepted, end)
         next_positions = (positions + accept_len).to(torch.int32)
         ops.set_seq_len(caches[names.SEQ_LEN], row_ids, next_positions)

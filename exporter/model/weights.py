@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from b12x_toolchain.exporter.model.engram import TOKEN_MAP, prefix, table_rows
 from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.formats.weight_formats import quantize_fp4, quantize_fp8_block
@@ -128,6 +129,21 @@ def logical_specs(d: Dims) -> dict[str, Spec]:
         specs.update(_layer(d, p, None, d.moe if d.v4 else d.draft_moe, hash_routed=False))
     if not d.v4:
         specs.update(_dspark(d))
+    if d.engram is not None:
+        specs.update(_engram(d))
+    return specs
+
+
+def _engram(d: Dims) -> dict[str, Spec]:
+    """Per Engram layer: its table (a row per hash bucket of every head), the projection to a key
+    per stream and one value, and the gate's two norm gains; one token map for all of them."""
+    e, D = d.engram, d.hidden
+    specs = {TOKEN_MAP: ((d.vocab,), "int64")}
+    for layer, rows in table_rows(d).items():
+        p = prefix(layer)
+        specs.update({p + "embed.weight": ((rows, e.head_dim), "float32"),
+                      p + "wkv.weight": (((d.hc_mult + 1) * D, e.columns * e.head_dim), "float32"),
+                      p + "q_weight": ((d.hc_mult, D), "float32"), p + "k_weight": ((d.hc_mult, D), "float32")})
     return specs
 
 
@@ -180,16 +196,18 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = {}
     for name, (shape, dtype) in sorted(logical_specs(d).items()):
-        if dtype == "int64":  # hash routing table: distinct experts per token
+        if name.endswith("engram.token_map"):  # random weights take the identity-style map
+            tensor = torch.arange(shape[0]) % d.engram.compressed_vocab
+        elif dtype == "int64":  # hash routing table: distinct experts per token
             ranks = torch.rand((shape[0], d.moe.experts), generator=gen).argsort(dim=-1)
             tensor = ranks[:, : shape[1]].contiguous()
-        elif name.endswith(("norm.weight", "hc_scale")) or name.endswith("_hc.scale"):
+        elif name.endswith(("norm.weight", "hc_scale", "engram.q_weight", "engram.k_weight")) or name.endswith("_hc.scale"):
             tensor = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif name == "dspark.markov.embed":
             tensor = 0.1 * torch.randn(shape, generator=gen)
         elif len(shape) == 1 or name.endswith("position_bias"):
             tensor = 0.5 * torch.randn(shape, generator=gen)
-        elif name == "model.embed_tokens.weight":
+        elif name == "model.embed_tokens.weight" or name.endswith("engram.embed.weight"):
             tensor = torch.randn(shape, generator=gen)
         else:
             tensor = torch.randn(shape, generator=gen) / shape[-1] ** 0.5

@@ -18,7 +18,7 @@ from b12x_toolchain.exporter.model.weights import weight_formats, weight_specs
 from b12x_toolchain.exporter.pipeline.pass_export import pass_label
 from b12x_toolchain.runtime.parallel.mapping import Mapping, RankEntry
 
-SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT, WEIGHT_FORMATS_FORMAT = "4.0", "4.1", "4.2"
+SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT, WEIGHT_FORMATS_FORMAT, ENGRAM_FORMAT = "4.0", "4.1", "4.2", "4.3"
 
 
 class RankFiles:
@@ -27,7 +27,9 @@ class RankFiles:
         parallel = d.world_size > 1
         self.ranks = list(range(d.world_size)) if parallel else [None]
         self.parallel = parallel
-        if weight_formats(d):  # what the manifest lists as weights.formats
+        if d.engram is not None:  # the token_history kinds and Engram's tables
+            self.format_version = ENGRAM_FORMAT
+        elif weight_formats(d):  # what the manifest lists as weights.formats
             self.format_version = WEIGHT_FORMATS_FORMAT
         else:
             self.format_version = PARALLEL_FORMAT if parallel else SINGLE_DEVICE_FORMAT

@@ -25,6 +25,10 @@ Backends:
   and `fp4_expert_linear` decode the checkpoint's FP8 and packed FP4 weights tile by tile
   in registers (never to a float32 copy) and agree with the references to float32
   accumulation order; the expert op groups rows by expert on the device, so it captures.
+* Triton for Engram's `engram_hash` and `engram_lookup` (`triton_engram`), bit-exact with
+  the references: the hash's constants are compiled in, so it copies nothing from the
+  host; the lookup reads only the rows named, from a GPU table or in place from a pinned
+  host one (unified addressing), so it captures either way.
 * The reference for `set_seq_len`: one `index_put_`, which captures as it is.
 
 FlashInfer is not called, on any device. The caches hold its pinned 0.7.4 release's V4.1
@@ -43,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from b12x_toolchain.runtime.ops import (
+    triton_engram,
     triton_indexer,
     triton_mhc,
     triton_quant,
@@ -70,6 +75,8 @@ KERNELS = {
     "hc_sinkhorn": triton_mhc.hc_sinkhorn,
     "fp8_block_linear": triton_quant.fp8_block_linear,
     "fp4_expert_linear": triton_quant.fp4_expert_linear,
+    "engram_hash": triton_engram.engram_hash,
+    "engram_lookup": triton_engram.engram_lookup,
 }
 REFERENCE_ON_CUDA = ("set_seq_len",)  # capturable as written; see the module docstring
 

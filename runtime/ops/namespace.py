@@ -4,8 +4,9 @@ Not `b12x`: FlashInfer's embedded kernel library and PyPI's `b12x` register ops 
 name, and two libraries defining one op name in one process cannot both load. The op set
 is versioned as a whole; a package records the version its graphs call, and a runtime
 loads only its own (README.md, "Format version policy"). Op set 5 adds the quantized
-linears `fp8_block_linear` and `fp4_expert_linear` (quant_ops.py) to op set 4.
+linears `fp8_block_linear` and `fp4_expert_linear` (quant_ops.py) to op set 4; op set 6
+adds Engram's `engram_hash` and `engram_lookup` (engram_ops.py).
 """
 
 NAMESPACE = "b12x_toolchain"
-OPSET_VERSION = 5
+OPSET_VERSION = 6

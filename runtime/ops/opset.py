@@ -1,4 +1,4 @@
-"""Op set v5 (namespace `b12x_toolchain`): every op that reads or writes a cache, and the quantized linears.
+"""Op set v6 (namespace `b12x_toolchain`): every op that reads or writes a cache, the quantized linears and Engram.
 
 Each op is a `torch.library` op (define.py) whose schema declares what it mutates, with a
 plain-torch reference implementation (used on CPU, and on any device until a kernel is
@@ -177,6 +177,7 @@ def _(values, fmt):
     return torch.empty_like(values, dtype=torch.float32)
 
 
+from b12x_toolchain.runtime.ops.engram_ops import ENGRAM_OPS  # noqa: E402  (registers the Engram ops)
 from b12x_toolchain.runtime.ops.mhc_ops import MHC_OPS  # noqa: E402  (registers the mHC op)
 from b12x_toolchain.runtime.ops.quant_ops import QUANT_OPS  # noqa: E402  (registers the quantized linears)
 from b12x_toolchain.runtime.ops.sparse_ops import SPARSE_OPS  # noqa: E402  (registers the sparse ops)
@@ -189,7 +190,7 @@ OPS = {
     name: getattr(ops, name).default
     for name in ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
                  "window_commit", "write_rows", "write_slots", "gather_rows", "stage_rows", "read_rows",
-                 "round_trip", "set_seq_len") + SPARSE_OPS + MHC_OPS + QUANT_OPS
+                 "round_trip", "set_seq_len") + SPARSE_OPS + MHC_OPS + QUANT_OPS + ENGRAM_OPS
 }
 """Every op of the op set by name; a graph using anything else in the namespace is refused."""
 

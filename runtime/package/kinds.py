@@ -39,6 +39,7 @@ KINDS: dict[str, Kind] = {
     "draft_window": Kind("cache", "stage", "ring"),  # a draft stage's window ring
     "draft_hidden": Kind("cache", "stage", "ring"),  # streams of the last committed position (one row)
     "seq_len": Kind("cache"),  # int32 per slot: the committed length
+    "token_history": Kind("cache", None, "ring"),  # Engram: compressed ids of the last committed tokens
     # Staging, per pass row: written by verify/draft, made persistent by commit.
     "window_staging": Kind("staging", "layer", "paged"),
     "entry_staging": Kind("staging", "layer", "per_position"),
@@ -48,6 +49,7 @@ KINDS: dict[str, Kind] = {
     "draft_context_staging": Kind("staging", "stage", "per_position"),  # a stage's window rows to commit
     "draft_hidden_staging": Kind("staging", "stage", "per_position"),
     "draft_window_staging": Kind("staging", "stage", "paged"),  # the draft pass's own window
+    "token_history_staging": Kind("staging", None, "per_position"),  # a verify row's compressed ids
     # Per-pass row inputs.
     "token_ids": Kind("input"),
     "slot_ids": Kind("input"),  # the slot each row runs in (padding rows: the scratch slot)

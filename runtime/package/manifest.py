@@ -48,8 +48,10 @@ from b12x_toolchain.runtime.parallel.mapping import Mapping
 # packages (ranks' graphs and weights, the mapping as data: runtime/parallel/mapping.py);
 # a package for one device is still written as 4.0. 4.2 adds weights stored in formats
 # (`weights.formats`, `weights.activation`: weight_format.py), with op set 5's quantized
-# linears; a package without them is still written as 4.0 or 4.1.
-FORMAT_VERSION = "4.2"
+# linears; a package without them is still written as 4.0 or 4.1. 4.3 adds Engram: the
+# token_history cache and staging kinds, and op set 6's engram_hash and engram_lookup; a
+# package without Engram is written as before.
+FORMAT_VERSION = "4.3"
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
 FIELDS = ("format_version", "opset_version", "name", "recipe", "recipe_sha256", "model", "passes", "buffers",

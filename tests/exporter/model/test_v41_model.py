@@ -21,8 +21,8 @@ from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE
-from conftest import random_tokens, recipe_variant
-from decode_steps import FP32_CACHES, incremental, relative_rms
+from conftest import random_tokens
+from decode_steps import incremental, relative_rms, single_forward
 
 pytestmark = pytest.mark.slow(minutes=2)  # the module's time on two busy cores: longest runs first
 
@@ -39,22 +39,6 @@ def weights(tiny_recipe):
 def sequences():
     gen = torch.Generator().manual_seed(31)
     return [random_tokens(gen, LENGTH), random_tokens(gen, LENGTH)], [40, 77]
-
-
-def single_forward(recipe, weights, tokens):
-    """Every position in one prefill call: nothing is read back from a cache."""
-    n = len(tokens)
-    variant = recipe_variant(recipe, {**FP32_CACHES, "cache.history": n, "passes.prefill.chunk": n, "rewrites": []},
-                             name="single-forward")
-    module = PASSES["prefill"](Dims.from_recipe(variant))
-    inputs, _ = module.convention()
-    caches = {s.name: torch.zeros(s.resolve(paging.symbols(inputs, 2)), dtype=s.torch_dtype) for s in module.caches()}
-    one = torch.tensor([0], dtype=torch.int32)
-    with torch.no_grad():
-        out = module(weights, caches, {}, {"tokens": torch.tensor([tokens], dtype=torch.int32), "row_ids": one,
-                                           "positions": one * 0, "lengths": one * n,
-                                           **paging.block_tables(inputs, one)})
-    return out["logits"][0]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.runtime.ops import mhc_ops, opset, quant_ops, sparse_ops
+from b12x_toolchain.runtime.ops import engram_ops, mhc_ops, opset, quant_ops, sparse_ops
 from b12x_toolchain.runtime.ops.define import fake_for, reference_op
 from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS
 
@@ -31,7 +31,7 @@ def test_a_call_runs_the_reference_and_mutates_in_place():
 
 def test_schemas_are_the_ones_torch_infers_with_their_mutations():
     for name, op in OPS.items():
-        reference = next(getattr(m, name) for m in (opset, sparse_ops, mhc_ops, quant_ops) if hasattr(m, name))
+        reference = next(getattr(m, name) for m in (opset, sparse_ops, mhc_ops, quant_ops, engram_ops) if hasattr(m, name))
         assert str(op._schema) == f"{NAMESPACE}::{name}" + torch.library.infer_schema(
             reference, mutates_args=[a.name for a in op._schema.arguments if a.is_write]), name
     assert str(OPS["write_rows"]._schema).startswith(f"{NAMESPACE}::write_rows(Tensor(a0!) cache,")
