@@ -17,6 +17,15 @@ recipe whose `weights` section stores some weight in another format than fp32, i
 in its stored formats by release_layout.py: each weight must be stored in the format the
 recipe gives it (FP8 data with its block scales, packed FP4 experts, BF16), and comes back
 as the package stores it, data under the weight's name and scale under `<name>_scale`.
+
+A `deepseek_v41` recipe's checkpoint is always read so. Its config.json is checked for
+its Engram keys only (`engram_section`; the other V4.1 keys are not read yet, and every
+weight's shape and format is checked instead). Engram's tensors are read under the
+release's names (`layers.{i}.engram.embed.weight` with its F8_E8M0 `.scale`, kept as
+stored) or b12x's; a table whose rows are not the sum of its layer's primes is refused
+before anything is read. The token map is the checkpoint's `model.engram.token_map` when
+it holds one (checked), else made as the recipe's `token_map` says: from the directory's
+tokenizer.json (`tokenizer`) or id mod compressed_vocab_size (`identity`).
 """
 
 from __future__ import annotations
@@ -24,17 +33,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from b12x_toolchain.exporter.hf.config import (
     CONFIG,
     YARN_KEYS,
     HfConfigError,
+    engram_section,
     model_fields,
     read_config,
     tied_embeddings,
 )
 from b12x_toolchain.exporter.hf.names import Target, target_of
 from b12x_toolchain.exporter.hf.release_layout import INT64, read_release_checkpoint
+from b12x_toolchain.exporter.model.engram import TOKEN_MAP
+from b12x_toolchain.exporter.model.engram_token_map import check_token_map, compressed_token_map, identity_token_map
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, weight_formats, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, read_checkpoint, weight_map
@@ -43,6 +56,13 @@ from b12x_toolchain.runtime.package.weight_format import FP32
 __all__ = ["checkpoint_source", "load_hf_checkpoint"]
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+ENGRAM_TABLE, TOKENIZER = ".engram.embed.weight", "tokenizer.json"
+# config.json's Engram fields (engram_section) against the recipe's (EngramDims), with the key each comes from.
+ENGRAM_CHECKED = (("layer_ids", "layer_ids", "engram_layer_ids"), ("max_ngram", "max_ngram", "engram_max_ngram_size"),
+                  ("heads_per_order", "heads", "engram_n_heads"), ("head_dim", "head_dim", "engram_head_dim"),
+                  ("prime_search_start", "prime_start", "engram_vocab_size"),
+                  ("compressed_vocab_size", "compressed_vocab", "engram_compressed_vocab_size"),
+                  ("pad_id", "pad_id", "engram_pad_token_id"))
 
 
 def _recipe_fields(d: Dims) -> dict:
@@ -165,8 +185,6 @@ def _assemble(held: dict, tensors: dict[str, torch.Tensor], experts: int) -> tor
 
 def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
     """Every weight `weight_specs(d)` names, read from a Hugging Face checkpoint directory."""
-    if not d.v4:
-        raise CheckpointError(f"recipe family {d.family} has no Hugging Face checkpoint import; only deepseek_v4")
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
@@ -174,6 +192,9 @@ def load_hf_checkpoint(directory, d: Dims) -> dict[str, torch.Tensor]:
         config = read_config(root / CONFIG)
     except HfConfigError as exc:  # names the file already
         raise CheckpointError(str(exc)) from None
+    if not d.v4:
+        _check_engram_config(config, d)
+        return _load_native(root, d)
     tied = _check_config(config, d)
     if weight_formats(d) or "quantization_config" in config:
         return _load_native(root, d)
@@ -202,14 +223,76 @@ def _load_native(root: Path, d: Dims) -> dict[str, torch.Tensor]:
     # The recipe's formats as they are; a weight without one is fp32, and the integer
     # routing table is expected by its dtype, having no format.
     expected = {name: INT64 if dtype == INT64 else formats.get(name, FP32) for name, (_, dtype) in logical.items()}
-    checkpoint = read_release_checkpoint(root, expected, shapes)
     out = {}
+    if d.engram is not None:
+        stored = weight_map(root)
+        _check_engram_rows(stored, shapes, d)
+        if not any(target_of(name).name == TOKEN_MAP for name in stored):  # made, not read
+            del expected[TOKEN_MAP], shapes[TOKEN_MAP]
+            out[TOKEN_MAP] = _token_map(root, d)
+    checkpoint = read_release_checkpoint(root, expected, shapes)
     for name in shapes:
         tensor = checkpoint.stacked(name)
         out[name] = tensor.data
         if tensor.scale is not None:
             out[name + SCALE_SUFFIX] = tensor.scale
+    if d.engram is not None:
+        try:
+            check_token_map(out[TOKEN_MAP], d.vocab, d.engram.compressed_vocab)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
     return {name: out[name] for name in weight_specs(d)}
+
+
+def _check_engram_config(config: dict, d: Dims) -> None:
+    """config.json's Engram keys must give the recipe's model.engram (or both have none)."""
+    try:
+        given = engram_section(config)
+    except HfConfigError as exc:
+        raise CheckpointError(f"{CONFIG}: {exc}") from None
+    e = d.engram
+    if (given is None) != (e is None):
+        raise CheckpointError(f"{CONFIG}: " + ("has no Engram keys (engram_layer_ids ...), but the recipe has Engram "
+                                               f"layers {list(e.layer_ids)}" if given is None else
+                                               f"engram_layer_ids gives Engram layers {given['layer_ids']}, but the "
+                                               "recipe has no model.engram"))
+    for field, attr, key in ENGRAM_CHECKED if e is not None else ():
+        recipe = list(getattr(e, attr)) if field == "layer_ids" else getattr(e, attr)
+        if given[field] != recipe:
+            raise CheckpointError(f"{CONFIG}: {key} gives model.engram.{field} = {given[field]}, but the recipe's is "
+                                  f"{recipe}")
+
+
+def _check_engram_rows(stored: dict[str, Path], shapes: dict, d: Dims) -> None:
+    """Each Engram table has one row per value of its layer's primes; another count is refused by
+    the stored tensor's name, from its header alone."""
+    for name, path in sorted(stored.items()):
+        weight = target_of(name).name
+        if not weight.endswith(ENGRAM_TABLE) or weight not in shapes:
+            continue
+        with safe_open(str(path), framework="pt") as handle:
+            got = handle.get_slice(name).get_shape()
+        rows = shapes[weight][0]
+        if not got or got[0] != rows:
+            layer = weight.removeprefix("model.layers.").partition(".")[0]
+            raise CheckpointError(f"{name}: the Engram table has {got[0] if got else 0} rows; layer {layer}'s "
+                                  f"{d.engram.columns} primes from {d.engram.prime_start} sum to {rows}, "
+                                  f"so {rows} rows are expected")
+
+
+def _token_map(root: Path, d: Dims) -> torch.Tensor:
+    """The token map the recipe's `token_map` says, for a checkpoint that holds none."""
+    e = d.engram
+    if e.token_map == "identity":
+        return identity_token_map(d.vocab, e.compressed_vocab)
+    path = root / TOKENIZER
+    if not path.is_file():
+        raise CheckpointError(f"{TOKENIZER}: not in the checkpoint, and it holds no {TOKEN_MAP}; the recipe's "
+                              "engram token_map is 'tokenizer', which derives the map from it")
+    try:
+        return compressed_token_map(path, d.vocab, e.compressed_vocab, pad_id=e.pad_id)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def checkpoint_source(directory) -> str:

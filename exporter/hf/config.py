@@ -22,7 +22,8 @@ from typing import Any
 
 from b12x_toolchain.exporter.errors import HfConfigError  # noqa: F401  (re-exported)
 
-__all__ = ["HfConfigError", "model_fields", "read_config", "recipe_from_hf_config", "recipe_name", "tied_embeddings"]
+__all__ = ["HfConfigError", "engram_section", "model_fields", "read_config", "recipe_from_hf_config", "recipe_name",
+           "tied_embeddings"]
 
 CONFIG = "config.json"
 CONFIG_LIMIT = 4 << 20  # a real V4 config is a few KB; the cap keeps a wrong file from being parsed
@@ -36,6 +37,14 @@ ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 # Accepted and ignored, as transformers' V4 ignores them: it fixes attention_factor at 1.0
 # (so mscale cannot matter) and reads `truncate` from a level V4 never writes it to.
 YARN_IGNORED = {"mscale", "mscale_all_dim", "truncate"}
+# DeepSeek V4.1's Engram keys -> the recipe's model.engram fields, with each value's minimum.
+# engram_vocab_size is where the prime search starts, not a row count.
+ENGRAM_KEYS = (
+    ("max_ngram", "engram_max_ngram_size", 2), ("heads_per_order", "engram_n_heads", 1),
+    ("head_dim", "engram_head_dim", 32), ("prime_search_start", "engram_vocab_size", 2),
+    ("compressed_vocab_size", "engram_compressed_vocab_size", 1), ("pad_id", "engram_pad_token_id", 0),
+)
+ENGRAM_IDS, ENGRAM_ROWS = "engram_layer_ids", "engram_num_embeddings"
 
 
 def read_config(path) -> dict[str, Any]:
@@ -345,6 +354,49 @@ def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
     return f.values, f.sources
 
 
+def engram_section(config: dict) -> dict[str, Any] | None:
+    """The recipe's `model.engram` for a DeepSeek V4.1 config.json with Engram layers, or None
+    for a config without any Engram key.
+
+    The token map is `tokenizer`: DeepSeek's compressed ids come from the checkpoint's
+    tokenizer.json. When the config states `engram_num_embeddings`, each layer's table rows,
+    it must be the sum of that layer's primes (exporter/model/engram_hashing.py), or the
+    hashes the exporter rebuilds would index another table than the checkpoint's.
+    """
+    keys = [ENGRAM_IDS, ENGRAM_ROWS, *(key for _, key, _ in ENGRAM_KEYS)]
+    given = [key for key in keys if _given(config, key)]
+    if not given:
+        return None
+    why = f"; the config has Engram keys ({given[0]})"
+    ids = _list(_required(config, ENGRAM_IDS, why), ENGRAM_IDS)
+    section: dict[str, Any] = {"layer_ids": [_int(v, f"{ENGRAM_IDS}[{i}]", 0) for i, v in enumerate(ids)]}
+    if not ids or section["layer_ids"] != sorted(set(section["layer_ids"])):
+        raise HfConfigError(f"{ENGRAM_IDS}: {ids!r}; expected distinct layer ids in increasing order")
+    for field, key, minimum in ENGRAM_KEYS:
+        section[field] = _int(_required(config, key, why), key, minimum)
+    if section["head_dim"] % 32:
+        raise HfConfigError(f"engram_head_dim: {section['head_dim']} is not a multiple of 32 (the tables' scale blocks)")
+    section["token_map"] = "tokenizer"
+    if _given(config, ENGRAM_ROWS):
+        _check_engram_rows(config[ENGRAM_ROWS], section)
+    return section
+
+
+def _check_engram_rows(rows: Any, e: dict[str, Any]) -> None:
+    from b12x_toolchain.exporter.model.engram_hashing import layer_primes
+
+    rows = _list(rows, ENGRAM_ROWS)
+    if len(rows) != len(e["layer_ids"]):
+        raise HfConfigError(f"{ENGRAM_ROWS}: has {len(rows)} entries; {ENGRAM_IDS} names {len(e['layer_ids'])} layers")
+    primes = layer_primes(e["prime_search_start"], e["layer_ids"], e["max_ngram"] - 1, e["heads_per_order"])
+    for i, (layer, given) in enumerate(zip(e["layer_ids"], rows)):
+        expected = sum(primes[layer])
+        if _int(given, f"{ENGRAM_ROWS}[{i}]") != expected:
+            raise HfConfigError(f"{ENGRAM_ROWS}[{i}]: layer {layer}'s table has {given} rows; the sum of its "
+                                f"{len(primes[layer])} primes from engram_vocab_size {e['prime_search_start']} "
+                                f"is {expected}")
+
+
 def tied_embeddings(config: dict) -> bool:
     """Whether lm_head shares the embedding matrix (then checkpoints store it once)."""
     tied = config.get("tie_word_embeddings", False)  # transformers' default for V4
@@ -383,6 +435,8 @@ def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
     bundled dsv4-tiny by default). fuse_window_snapshot's expected matches follow the
     new layer count: one window snapshot site per target layer in verify, none in draft.
     A quantized config (`quantization_config`) gives the `weights` section (quantization.py).
+    A config with Engram layers is refused rather than written without them: only a
+    `deepseek_v41` recipe holds them (`engram_section` reads its model.engram).
     """
     from b12x_toolchain.exporter.hf.quantization import weights_section
     from b12x_toolchain.exporter.recipe.loader import Recipe, V4ModelSpec, load_recipe
@@ -393,6 +447,10 @@ def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
         template = Recipe.model_validate(template)
     base = template.model_dump(mode="json")
     flat, _ = model_fields(config)
+    engram = engram_section(config)
+    if engram is not None:
+        raise HfConfigError(f"{ENGRAM_IDS}: the config has Engram layers {engram['layer_ids']}; from-hf writes "
+                            "deepseek_v4 recipes, which have none (a deepseek_v41 recipe's model.engram holds them)")
     weights = weights_section(config)
     model = _nest(flat)
     model["max_seq_len"] = base["model"]["max_seq_len"] if max_seq_len is None else max_seq_len

@@ -10,6 +10,11 @@ maps them on load with a rename table; the renames below are that table (its
 
 The MTP stage (`mtp.{s}.`), which `transformers` never loads, uses the same block names
 plus its own head and input projections, and is mapped the same way.
+
+DeepSeek V4.1's Engram tensors (`layers.{i}.engram.{embed, wkv}.weight` with their
+`.scale`, `layers.{i}.engram.{q_weight, k_weight}`) keep their names under the block:
+`transformers` has no V4.1 table, and the attention renames (`.wkv.` -> `.kv_proj.`) are
+not theirs.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ HEAD = {"head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight"}  # 
 MTP_OWN = {"e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
            "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale"}
 
+ENGRAM = "engram."  # V4.1's Engram tensors: named as the release names them
+
 
 @dataclass(frozen=True)
 class Target:
@@ -101,6 +108,8 @@ def target_of(stored: str) -> Target:
         rest = re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1", rest)
         if rest in MTP_OWN:
             return Target(prefix + rest)
+    if rest.startswith(ENGRAM):
+        return Target(prefix + rest)
     dotted = "." + rest
     for pattern, replacement in BLOCK_RENAMES:
         dotted = pattern.sub(replacement, dotted, count=1)

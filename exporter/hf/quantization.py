@@ -11,8 +11,11 @@ DeepSeek's V4 / V4.1 config.json declares its stored formats as
 release quantizes (release_layout.py's docstring, weight_roles.py's release column):
 FP8 for the attention projections, the indexer query, the shared experts and the MTP
 stage's input projections; routed experts per expert_dtype; BF16 for the embedding, the
-head, the compressors and indexer keys, the router and the norms. A declaration the recipe
-cannot represent is an `HfConfigError` naming the key, its value and what is accepted.
+head, the compressors and indexer keys, the router and the norms. V4.1's Engram layers
+store their tables FP8 with one scale per 32 values of a row (1x32) and their projection
+`wkv` in the linears' blocks; the section names those roles only for a config with Engram.
+A declaration the recipe cannot represent is an `HfConfigError` naming the key, its value
+and what is accepted.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ __all__ = ["Quantization", "read_quantization", "release_role_formats", "weights
 QUANT = "quantization_config"
 FP8_ROLES = ("attention", "indexer_query", "shared_experts", "draft_input")
 BF16_ROLES = ("embeddings", "head", "compressor", "router", "norms")
+ENGRAM_ROLES = ("engram_tables", "engram_projection")
+ENGRAM_TABLE_BLOCK = (1, 32)  # a row is read alone: one scale per 32 of its values
 # draft_heads (DSpark's) are in no DeepSeek release; the section leaves them fp32.
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default when weight_block_size is absent
 FP4_E2M1 = WeightFormat("fp4_e2m1", FP4_BLOCK, "ue8m0")
@@ -84,6 +89,8 @@ def release_role_formats(block: tuple[int, int], scale_encoding: str, experts: s
     Roles left out stay fp32."""
     linear = WeightFormat("fp8_e4m3", block, scale_encoding)
     out = {role: linear for role in FP8_ROLES}
+    out["engram_tables"] = WeightFormat("fp8_e4m3", ENGRAM_TABLE_BLOCK, scale_encoding)
+    out["engram_projection"] = linear
     out["routed_experts"] = FP4_E2M1 if experts == "fp4" else linear
     out.update({role: BF16 for role in BF16_ROLES})
     return out
@@ -121,4 +128,6 @@ def weights_section(config: dict) -> dict | None:
     # computes what transformers computes from the checkpoint (decoded weights, float activations).
     activation = "deepseek" if q.scale_encoding == "ue8m0" else "none"
     formats = release_role_formats(block, q.scale_encoding, q.expert_dtype)
+    if not any(key.startswith("engram_") and value is not None for key, value in config.items()):
+        formats = {role: fmt for role, fmt in formats.items() if role not in ENGRAM_ROLES}
     return {"activation": activation, **{role: _recipe_entry(formats[role]) for role in ROLES if role in formats}}

@@ -31,10 +31,11 @@ may be stored as F8_E8M0, uint8 (the same byte) or float32 powers of two; all be
 `float8_e8m0fnu`. Only JSON and safetensors are read, one tensor at a time, and no weight is
 decoded or widened to float32; only an int32 hash-routing table becomes int64, b12x's width.
 
-Names: the release's, `transformers`' state-dict names, and the two scale keys. A tensor
-`X.scale` is the scale of `X.weight` when the checkpoint stores `X.weight` (otherwise it
-is a weight, like the state-dict name `attn_hc.scale`); `X.weight_scale_inv` and, for
-merged experts, `experts.gate_up_proj_scale_inv` are scales by name.
+Names: the release's, `transformers`' state-dict names, and the scale keys. A tensor
+`X.scale` (the release's) or `X.weight_scale` (b12x's) is the scale of `X.weight` when the
+checkpoint stores `X.weight` (otherwise it is a weight, like the state-dict name
+`attn_hc.scale`); `X.weight_scale_inv` and, for merged experts,
+`experts.gate_up_proj_scale_inv` are scales by name.
 
 How `transformers` 5.24 loads this layout (read in its source, shown by
 tests/exporter/hf/test_release_checkpoint.py on the CPU):
@@ -79,7 +80,7 @@ from b12x_toolchain.exporter.hf.quantization import (
     read_quantization,
     release_role_formats,
 )
-from b12x_toolchain.exporter.model.weight_roles import role_of
+from b12x_toolchain.exporter.model.weight_roles import ROLE_BLOCKS, role_of
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, weight_map
 from b12x_toolchain.runtime.package.weight_format import FP4_BLOCK, FP32, WeightFormat
 
@@ -221,7 +222,9 @@ def _check_declared(quantization: Quantization | None, expected: dict[str, Expec
                               f"checkpoint, but the recipe expects every weight unquantized")
     for name, fmt in sorted(quantized.items()):
         if fmt.kind == "fp8_e4m3" and ROUTED_EXPERTS.search(name) is None:
-            if quantization.block is not None and fmt.block != quantization.block:
+            # A role with its own block (Engram's 1x32 tables) keeps it whatever weight_block_size says.
+            fixed = role_of(name) in ROLE_BLOCKS
+            if quantization.block is not None and fmt.block != quantization.block and not fixed:
                 raise CheckpointError(f"{CONFIG}: quantization_config.weight_block_size {list(quantization.block)} "
                                       f"differs from the recipe's {describe(fmt)} for {name}")
             if fmt.scale_encoding != quantization.scale_encoding:
@@ -244,6 +247,8 @@ def _scale_owner(name: str, stored: set[str]) -> str | None:
         return name.removesuffix("_scale_inv")
     if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in stored:
         return name.removesuffix(".scale") + ".weight"
+    if name.endswith(".weight_scale") and name.removesuffix("_scale") in stored:  # b12x's own layout
+        return name.removesuffix("_scale")
     return None
 
 

@@ -23,6 +23,7 @@ from b12x_toolchain.exporter.model.weights import weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
+from conftest import recipe_variant
 from hf_reference import INDEX, fp32_tiny_recipe, save_tiny_checkpoint
 
 
@@ -274,9 +275,13 @@ def test_import_refuses_a_config_for_another_model(ckpt, tmp_path, dims, changes
         load_hf_checkpoint(root, dims)
 
 
-def test_import_needs_a_deepseek_v4_recipe(ckpt):
-    with pytest.raises(CheckpointError, match="only deepseek_v4"):
+def test_a_v4_checkpoint_is_not_a_v41_recipes(ckpt):
+    with pytest.raises(CheckpointError, match=r"^config\.json: has no Engram keys"):
         load_hf_checkpoint(ckpt.path, Dims.from_recipe(load_recipe("dsv41-tiny")))
+    # Without Engram layers, its weights are not the V4.1 model's.
+    with pytest.raises(CheckpointError, match="not a weight of the recipe's model"):
+        load_hf_checkpoint(ckpt.path, Dims.from_recipe(recipe_variant(load_recipe("dsv41-tiny"),
+                                                                      {"model.engram": None})))
 
 
 # --- the command line ---------------------------------------------------------------
