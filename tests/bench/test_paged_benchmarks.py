@@ -79,12 +79,13 @@ def test_full_size_cases(tiny_recipe):
         ("paged_memory.full_size_per_token", "tiny index_key_pages"),
         ("paged_memory.full_size_rings", "tiny window_ring"),
         ("paged_memory.full_size_rings", "tiny compressor_state"),
+        ("paged_memory.full_size_rings", "tiny token_history"),
         ("paged_memory.full_size_rings", "tiny draft_window"),
         ("paged_memory.full_size_rings", "tiny seq_len"),
         ("paged_memory.full_size_slot", "tiny slot, 256 tokens"),
         ("paged_memory.full_size_slot", "tiny slot, 1k tokens"),
     ]
-    per_token, rings, slots = rows[:2], rows[2:6], rows[6:]
+    per_token, rings, slots = rows[:2], rows[2:7], rows[7:]
     for m in per_token:
         check_counts(m, "bytes/token")
         assert m.ratio == 1  # a page is whole records: no padding

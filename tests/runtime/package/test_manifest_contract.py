@@ -47,6 +47,10 @@ def _expected_buffers(d: Dims) -> dict[str, dict]:
                 out[f"cache.{c.name}"] = {**NULLS, **rows, "kind": c.kind, "layer": i, "rows_per_slot": c.rows}
             staged = {**NULLS, **rows, "kind": STAGING_KIND[c.kind], "layer": i}
             out[f"staging.verify.{c.name}"] = {**staged, "page": page} if c.kind == "window_ring" else staged
+    # Engram's token history: the last max_ngram compressed ids of a slot, one float32 each; no owner.
+    history = {**NULLS, "format": "fp32", "dims": 1, "ratio": 1}
+    out["cache.engram.history"] = {**history, "kind": "token_history", "rows_per_slot": d.engram.max_ngram}
+    out["staging.verify.engram.history"] = {**history, "kind": "token_history_staging"}
     window = {"format": d.window_format, "dims": d.head_dim, "ratio": 1}
     for s in range(d.draft_stages):
         out[f"cache.draft{s}.window"] = {**NULLS, **window, "kind": "draft_window", "stage": s, "rows_per_slot": d.history}
