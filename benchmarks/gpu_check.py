@@ -248,6 +248,42 @@ def mhc_kernel(device: str) -> None:
         record(f"mhc hc_sinkhorn {'x'.join(map(str, shape))}", error <= 1e-5, f"max error {error:.2e} (bound 1e-5)")
 
 
+def engram_kernels(device: str) -> None:
+    """engram_hash and engram_lookup against the CPU references, bit for bit; on CUDA also a
+    pinned host table read in place from inside a captured CUDA graph."""
+    import torch
+
+    from b12x_toolchain.runtime.formats.weight_formats import quantize_fp8_block
+    from b12x_toolchain.runtime.ops import triton_engram
+    from b12x_toolchain.runtime.ops.opset import ops as R
+
+    hashing = triton_engram.engram_hash if device == "cpu" else R.engram_hash
+    lookup = triton_engram.engram_lookup if device == "cpu" else R.engram_lookup
+    gen = torch.Generator().manual_seed(0)
+    multipliers, primes = [76632096046245, 4839876093313, 35959672319349, 73987337458391], [1009, 1013, 1019] * 2
+    ids, lookback = torch.randint(-1, 99092, (2, 16), generator=gen), torch.randint(-1, 99092, (2, 3), generator=gen)
+    row_ids = R.engram_hash(ids, lookback, multipliers, primes, 2)
+    got = hashing(ids.to(device, copy=True), lookback.to(device, copy=True), multipliers, primes, 2).cpu()
+    record("engram hash 2x16, 3 orders x 2 heads", torch.equal(got, row_ids), "int64 row ids equal the reference")
+    table, scale = quantize_fp8_block(torch.randn(sum(primes), 64, generator=gen), (1, 32), "ue8m0")
+    want = R.engram_lookup(table, scale, row_ids)
+    rows = row_ids.to(device, copy=True)
+    got = lookup(table.to(device, copy=True), scale.to(device, copy=True), rows).cpu()
+    record("engram lookup FP8 1x32 -> bf16", torch.equal(got.view(torch.int16), want.view(torch.int16)),
+           "bytes equal the reference")
+    if device != "cuda":
+        return
+    host = (table.pin_memory(), scale.pin_memory())
+    graph, out = torch.cuda.CUDAGraph(), None
+    lookup(*host, rows)  # compiled before capture
+    with torch.cuda.graph(graph):
+        out = lookup(*host, rows)
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    record("engram lookup, pinned host table in a CUDA graph", same, "rows read in place from host memory equal the reference")
+
+
 def sparse_length_case(committed: int, exact: bool, device: str = "cpu") -> dict:
     """SPARSE_ROWS rows at ratio 1 that have each committed `committed` entries, in paged
     caches whose block tables address one capacity for every length; `exact`: index dim 64
@@ -675,7 +711,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment(args.device)
     print("environment:", json.dumps(env), flush=True)
-    for part in (kernel_bytes, sparse_kernels, mhc_kernel, fp8_linears, sessions):
+    for part in (kernel_bytes, sparse_kernels, mhc_kernel, engram_kernels, fp8_linears, sessions):
         part(args.device)
     if args.device == "cuda":
         bandwidth()

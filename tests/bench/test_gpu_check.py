@@ -40,3 +40,15 @@ def test_mhc_check_of_the_script_passes_here():
     gpu_check.mhc_kernel("cuda" if torch.cuda.is_available() else "cpu")
     assert [c.name for c in gpu_check.RESULTS] == [f"mhc hc_sinkhorn {s}" for s in ("1x1x4x4", "4x8x4x4", "8x64x4x4")]
     assert all(c.ok for c in gpu_check.RESULTS), [c.detail for c in gpu_check.RESULTS]
+
+
+def test_engram_check_of_the_script_passes_here():
+    pytest.importorskip("triton")
+    from benchmarks import gpu_check
+
+    gpu_check.RESULTS.clear()
+    cuda = torch.cuda.is_available()
+    gpu_check.engram_kernels("cuda" if cuda else "cpu")
+    expected = ["engram hash 2x16, 3 orders x 2 heads", "engram lookup FP8 1x32 -> bf16"]
+    assert [c.name for c in gpu_check.RESULTS] == expected + (["engram lookup, pinned host table in a CUDA graph"] if cuda else [])
+    assert all(c.ok for c in gpu_check.RESULTS), [c.detail for c in gpu_check.RESULTS]
