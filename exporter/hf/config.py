@@ -1,14 +1,27 @@
-"""A Hugging Face DeepSeek V4 `config.json`, read as the model section of a recipe.
+"""A Hugging Face DeepSeek V4 or V4.1 `config.json`, read as the model section of a recipe.
 
-`model_fields` maps the config's keys onto the `deepseek_v4` model fields and remembers
-which key each field came from, so both `b12x recipe from-hf` and the checkpoint import
-(which checks config.json against a recipe) can name the key at fault. The config is
-read as plain JSON: `transformers` is not needed, and nothing in it is executed.
+`model_fields` maps the config's keys onto the `deepseek_v4` or `deepseek_v41` model fields
+and remembers which key each field came from, so both `b12x recipe from-hf` and the
+checkpoint import (which checks config.json against a recipe) can name the key at fault.
+The config is read as plain JSON: `transformers` is not needed, and nothing in it is executed.
 
 Keys are read as `transformers.DeepseekV4Config` reads them, including its legacy
 spellings (`compress_ratios`, `compress_rate_csa`, `num_hash_layers`, `qk_rope_head_dim`,
-`rope_scaling`). A value b12x's V4 model cannot reproduce is refused, naming the key;
+`rope_scaling`). A value b12x's model cannot reproduce is refused, naming the key;
 nothing is silently defaulted that would change the model.
+
+A config is DeepSeek V4.1's when its model_type is `deepseek_v41` or it has any of V4.1's
+CSA2 or DSpark keys (`V41_KEYS`: kv_source_layer_ids, ..., dspark_*); a V4.1 config must
+then have all of the required ones. Engram keys alone do not make a config V4.1's (the
+rest of its model would still be read as V4's), so a V4 config with them is refused.
+V4.1 differs from V4 where b12x's `deepseek_v41` family does, and no key selects it: its
+blocks have no per-head q RMSNorm, and its compressors are CSA2's. Its per-layer
+`compress_ratios` are the ratios themselves (0, 1 or 2, not V4's 0 / 4 / 128 kinds);
+`layer_types` with `compress_rates` may say the same if each rate is 1 or 2. Its
+`num_nextn_predict_layers` counts the DSpark stages (`mtp.0` ...), whose routed experts
+are `dspark_n_routed_experts` / `dspark_num_experts_per_tok`; their other MoE widths and
+rules are the target's keys. `dspark_block_size`, the drafted block (anchor + noise
+tokens), is not a model field: `recipe_from_hf_config` makes it the draft pass's width.
 """
 
 from __future__ import annotations
@@ -22,8 +35,8 @@ from typing import Any
 
 from b12x_toolchain.exporter.errors import HfConfigError  # noqa: F401  (re-exported)
 
-__all__ = ["HfConfigError", "engram_section", "model_fields", "read_config", "recipe_from_hf_config", "recipe_name",
-           "tied_embeddings"]
+__all__ = ["HfConfigError", "V41_KEYS", "dspark_block_size", "engram_section", "is_v41", "model_fields", "read_config",
+           "recipe_from_hf_config", "recipe_name", "tied_embeddings"]
 
 CONFIG = "config.json"
 CONFIG_LIMIT = 4 << 20  # a real V4 config is a few KB; the cap keeps a wrong file from being parsed
@@ -45,6 +58,13 @@ ENGRAM_KEYS = (
     ("compressed_vocab_size", "engram_compressed_vocab_size", 1), ("pad_id", "engram_pad_token_id", 0),
 )
 ENGRAM_IDS, ENGRAM_ROWS = "engram_layer_ids", "engram_num_embeddings"
+# DeepSeek V4.1's CSA2 and DSpark keys; any of them makes a config V4.1's. The candidate
+# keys may be absent (no hierarchical candidates); the others are required.
+V41_KEYS = ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id", "candidate_topk_blocks",
+            "candidate_block_size", "dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id",
+            "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok")
+V41_TYPE = "deepseek_v41"
+V41_RATIOS = (0, 1, 2)
 
 
 def read_config(path) -> dict[str, Any]:
@@ -123,10 +143,22 @@ class _Fields:
 
 # --- the mapping --------------------------------------------------------------------
 
+def is_v41(config: dict) -> bool:
+    """Whether config.json is DeepSeek V4.1's: model_type `deepseek_v41`, or any CSA2 / DSpark key."""
+    return config.get("model_type") == V41_TYPE or any(_given(config, key) for key in V41_KEYS)
+
+
+def _family_source(config: dict) -> str:
+    """The key that makes the config V4.1's (model_type, else its first V4.1 key), or V4's model_type."""
+    if config.get("model_type") == V41_TYPE:
+        return "model_type"
+    return next((key for key in V41_KEYS if _given(config, key)), "model_type")
+
+
 def _unsupported(config: dict) -> None:
     """Keys whose only value b12x's V4 model implements; absent means transformers' default, which is it."""
-    if _required(config, "model_type") != "deepseek_v4":
-        raise HfConfigError(f"model_type: {config['model_type']!r} is not 'deepseek_v4'")
+    if _required(config, "model_type") not in ("deepseek_v4", V41_TYPE):
+        raise HfConfigError(f"model_type: {config['model_type']!r} is not 'deepseek_v4' or '{V41_TYPE}'")
     for key, supported, why in (
         ("num_key_value_heads", 1, "DeepSeek V4 attention shares one KV head"),
         ("hidden_act", "silu", "the experts are SwiGLU"),
@@ -158,8 +190,9 @@ def _rope_head_dim(f: _Fields, head_dim: int) -> int:
     return f.set("rope_head_dim", rope_dim, source)
 
 
-def _rates(f: _Fields) -> dict[str, int]:
-    config, rates = f.config, {}
+def _kind_rates(config: dict) -> dict[str, tuple[int, str]]:
+    """compress_rates (and its legacy scalars) as {layer kind: (rate, key)}."""
+    rates = {}
     if _given(config, "compress_rates"):
         given = config["compress_rates"]
         if not isinstance(given, dict):
@@ -170,6 +203,11 @@ def _rates(f: _Fields) -> dict[str, int]:
     for kind, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
         if _given(config, legacy):  # transformers lets the legacy scalars override the dict
             rates[kind] = (_int(config[legacy], legacy), legacy)
+    return rates
+
+
+def _rates(f: _Fields) -> dict[str, int]:
+    rates = _kind_rates(f.config)
     for kind, path in ((CSA, "csa_ratio"), (HCA, "hca_ratio")):
         if kind not in rates:
             raise HfConfigError(f"compress_rates.{kind}: missing from config.json")
@@ -177,15 +215,19 @@ def _rates(f: _Fields) -> dict[str, int]:
     return {WINDOW: 0, CSA: rates[CSA][0], HCA: rates[HCA][0]}
 
 
+def _layer_types(config: dict, layers: int) -> list[str]:
+    kinds = _list(config["layer_types"], "layer_types")
+    if len(kinds) != layers:
+        raise HfConfigError(f"layer_types: has {len(kinds)} entries; num_hidden_layers is {layers}")
+    for i, kind in enumerate(kinds):
+        _choice(kind, f"layer_types[{i}]", (WINDOW, CSA, HCA))
+    return kinds
+
+
 def _compress_ratios(f: _Fields, layers: int, stages: int) -> list[int]:
     config, rates = f.config, _rates(f)
     if _given(config, "layer_types"):
-        kinds = _list(config["layer_types"], "layer_types")
-        if len(kinds) != layers:
-            raise HfConfigError(f"layer_types: has {len(kinds)} entries; num_hidden_layers is {layers}")
-        for i, kind in enumerate(kinds):
-            _choice(kind, f"layer_types[{i}]", (WINDOW, CSA, HCA))
-        source = "layer_types"
+        kinds, source = _layer_types(config, layers), "layer_types"
     elif _given(config, "compress_ratios"):
         legacy = _list(config["compress_ratios"], "compress_ratios")
         if len(legacy) not in (layers, layers + stages):
@@ -204,6 +246,86 @@ def _compress_ratios(f: _Fields, layers: int, stages: int) -> list[int]:
     else:
         raise HfConfigError("layer_types: missing from config.json (and no legacy compress_ratios)")
     return f.set("compress_ratios", [rates[kind] for kind in kinds] + [0] * stages, source)
+
+
+def _v41_ratios(f: _Fields, layers: int, stages: int) -> list[int]:
+    """V4.1's per-layer ratios from `compress_ratios` (the ratios themselves) or `layer_types`
+    with `compress_rates`; where both are given they must agree."""
+    config = f.config
+    ratios = source = None
+    if _given(config, "layer_types"):
+        kinds, rates = _layer_types(config, layers), _kind_rates(config)
+        for kind in (CSA, HCA):
+            if kind in kinds and kind not in rates:
+                raise HfConfigError(f"compress_rates.{kind}: missing from config.json (layer_types has {kind})")
+            if kind in rates:
+                _choice(rates[kind][0], rates[kind][1], V41_RATIOS[1:])
+        ratios, source = [0 if kind == WINDOW else rates[kind][0] for kind in kinds], "layer_types"
+    if _given(config, "compress_ratios"):
+        given = _list(config["compress_ratios"], "compress_ratios")
+        if len(given) not in (layers, layers + stages):
+            raise HfConfigError(f"compress_ratios: has {len(given)} entries; expected num_hidden_layers = {layers}"
+                                f" (or {layers + stages} with the {stages} DSpark stages)")
+        for i, ratio in enumerate(given):
+            key = f"compress_ratios[{i}]"
+            if i >= layers:  # a DSpark stage's entry: the stages attend their window only
+                if ratio != 0 or isinstance(ratio, bool):
+                    raise HfConfigError(f"{key}: DSpark stage {i - layers}'s entry is {ratio!r}; draft stages are "
+                                        "window-only (0)")
+                continue
+            _choice(_int(ratio, key, 0), key, V41_RATIOS)
+        if ratios is not None and given[:layers] != ratios:
+            raise HfConfigError(f"compress_ratios: {given[:layers]} disagrees with layer_types and compress_rates,"
+                                f" which give {ratios}")
+        ratios, source = given[:layers], source or "compress_ratios"
+    if ratios is None:
+        raise HfConfigError("compress_ratios: missing from config.json (and no layer_types)")
+    return f.set("compress_ratios", [*ratios, *[0] * stages], source)
+
+
+def _layer_ids(f: _Fields, path: str, key: str, layers: int) -> list[int]:
+    """A list of distinct target layer ids in increasing order, each below num_hidden_layers."""
+    ids = _list(_required(f.config, key, " (a DeepSeek V4.1 config)"), key)
+    values = [_int(v, f"{key}[{i}]", 0) for i, v in enumerate(ids)]
+    if not values or values != sorted(set(values)):
+        raise HfConfigError(f"{key}: {ids!r}; expected distinct layer ids in increasing order")
+    for i, layer in enumerate(values):
+        if layer >= layers:
+            raise HfConfigError(f"{key}[{i}]: layer {layer} is out of range; num_hidden_layers is {layers}")
+    return f.set(path, values, key)
+
+
+def _csa2(f: _Fields, layers: int) -> None:
+    config = f.config
+    _layer_ids(f, "csa2.kv_source_layer_ids", "kv_source_layer_ids", layers)
+    _layer_ids(f, "csa2.index_source_layer_ids", "index_source_layer_ids", layers)
+    candidate = "candidate_source_layer_id"
+    if _given(config, candidate):
+        layer = f.set(f"csa2.{candidate}", _int(config[candidate], candidate, 0), candidate)
+        if layer >= layers:
+            raise HfConfigError(f"{candidate}: layer {layer} is out of range; num_hidden_layers is {layers}")
+    why = f" ({candidate} is given)" if _given(config, candidate) else ""
+    for key in ("candidate_topk_blocks", "candidate_block_size"):
+        if why or _given(config, key):  # without a candidate source they keep no candidates, but are kept as given
+            f.set(f"csa2.{key}", _int(_required(config, key, why), key), key)
+
+
+def _dspark(f: _Fields, layers: int, stages: int) -> None:
+    """The DSpark drafter: its own keys, and the target's for the MoE fields it has no key of."""
+    f.set("draft.stages", stages, "num_nextn_predict_layers")
+    _layer_ids(f, "draft.target_layer_ids", "dspark_target_layer_ids", layers)
+    f.set("draft.noise_token_id", _int(_required(f.config, "dspark_noise_token_id"), "dspark_noise_token_id", 0),
+          "dspark_noise_token_id")
+    f.read_int("draft.markov_rank", "dspark_markov_rank")
+    f.read_int("draft.moe.experts", "dspark_n_routed_experts")
+    f.read_int("draft.moe.experts_per_token", "dspark_num_experts_per_tok")
+    for field in ("shared_experts", "intermediate_size", "scoring", "routed_scaling_factor", "swiglu_limit"):
+        f.set(f"draft.moe.{field}", f.values[f"moe.{field}"], f.sources[f"moe.{field}"])
+
+
+def dspark_block_size(config: dict) -> int:
+    """DSpark's trained block, anchor and noise tokens together: the draft pass's width."""
+    return _int(_required(config, "dspark_block_size", " (a DeepSeek V4.1 config)"), "dspark_block_size")
 
 
 def _hash_layers(f: _Fields, layers: int) -> int:
@@ -309,16 +431,19 @@ def _required_in(section: dict, key: str, where: str) -> Any:
 
 
 def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
-    """The recipe's `deepseek_v4` model fields that config.json fixes, as dotted paths
-    (`moe.experts`), and for each path the config key it came from.
+    """The recipe's `deepseek_v4` or `deepseek_v41` model fields that config.json fixes, as
+    dotted paths (`moe.experts`), and for each path the config key it came from.
 
     max_seq_len and init_seed are not the checkpoint's to say: they come from elsewhere, and
     neither are the weights' formats (`quantization_config`: quantization.py gives the
     recipe's `weights` section from it, and the checkpoint import checks it against that).
+    A V4.1 config's Engram keys are `engram_section`'s; its DSpark confidence threshold is
+    a sampling choice, not the checkpoint's.
     """
     _unsupported(config)
+    v41 = is_v41(config)
     f = _Fields(config)
-    f.set("family", "deepseek_v4", "model_type")
+    f.set("family", V41_TYPE if v41 else "deepseek_v4", _family_source(config))
     for path, key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                       ("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads"),
                       ("head_dim", "head_dim")):
@@ -327,11 +452,15 @@ def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
     for key in ("q_lora_rank", "o_groups", "o_lora_rank"):
         f.read_int(key, key)
     stages = _int(_required(config, "num_nextn_predict_layers"), "num_nextn_predict_layers", 0)
-    if stages != 1:
+    if v41 and stages == 0:
+        raise HfConfigError("num_nextn_predict_layers: 0; the recipe needs DSpark draft stages (mtp.0 ...), and a "
+                            "checkpoint without them has none to export")
+    if not v41 and stages != 1:
         need = ("the recipe needs one MTP draft stage, and a checkpoint without MTP weights has none to export"
                 if stages == 0 else "b12x supports exactly one MTP draft stage")
         raise HfConfigError(f"num_nextn_predict_layers: {stages}; {need}")
-    _compress_ratios(f, f.values["num_layers"], stages)
+    layers = f.values["num_layers"]
+    (_v41_ratios if v41 else _compress_ratios)(f, layers, stages)
     f.read_int("window", "sliding_window")
     f.read_float("rms_norm_eps", "rms_norm_eps")
     _rope(f, f.values["head_dim"], rope_dim)
@@ -350,7 +479,11 @@ def model_fields(config: dict) -> tuple[dict[str, Any], dict[str, str]]:
     f.set("moe.scoring", _choice(_required(config, "scoring_func"), "scoring_func", SCORING), "scoring_func")
     f.read_float("moe.routed_scaling_factor", "routed_scaling_factor")
     f.read_float("moe.swiglu_limit", "swiglu_limit")
-    f.set("draft.stages", stages, "num_nextn_predict_layers")
+    if v41:
+        _csa2(f, layers)
+        _dspark(f, layers, stages)
+    else:
+        f.set("draft.stages", stages, "num_nextn_predict_layers")
     return f.values, f.sources
 
 
@@ -428,40 +561,84 @@ def recipe_name(config_path) -> str:
 
 def recipe_from_hf_config(config: dict, template=None, name: str = "from-hf", *,
                           max_seq_len: int | None = None) -> dict[str, Any]:
-    """A `deepseek_v4` recipe document (plain data, YAML-dumpable) for a DeepSeek V4 config.json.
+    """A recipe document (plain data, YAML-dumpable) for a DeepSeek V4 or V4.1 config.json:
+    a `deepseek_v4` recipe, or a `deepseek_v41` one for a V4.1 config (`is_v41`).
 
     The model comes from `config`; max_seq_len (unless given), init_seed, the cache, the
-    passes and the rewrites come from `template` (a Recipe or a recipe document; the
-    bundled dsv4-tiny by default). fuse_window_snapshot's expected matches follow the
-    new layer count: one window snapshot site per target layer in verify, none in draft.
-    A quantized config (`quantization_config`) gives the `weights` section (quantization.py).
-    A config with Engram layers is refused rather than written without them: only a
-    `deepseek_v41` recipe holds them (`engram_section` reads its model.engram).
+    passes and the rewrites come from `template` (a Recipe or a recipe document of the same
+    family; the bundled dsv4-tiny or dsv41-tiny by default). fuse_window_snapshot's expected
+    matches follow the new layer count: one window snapshot site per target layer in
+    verify, and per draft stage in draft (none for V4's MTP stage). A V4.1 config's
+    `dspark_block_size` is the draft pass's width (verify's is one more), its DSpark
+    confidence threshold the template's, and its Engram keys give model.engram
+    (`engram_section`). A V4 config with Engram keys is refused rather than written
+    without them. A quantized config (`quantization_config`) gives the `weights` section
+    (quantization.py).
     """
     from b12x_toolchain.exporter.hf.quantization import weights_section
-    from b12x_toolchain.exporter.recipe.loader import Recipe, V4ModelSpec, load_recipe
+    from b12x_toolchain.exporter.recipe.loader import Recipe, load_recipe
+    from b12x_toolchain.exporter.recipe.schema import DSparkSpec, V4ModelSpec, V41ModelSpec
 
+    v41 = is_v41(config)
+    family = V41_TYPE if v41 else "deepseek_v4"
     if template is None:
-        template = load_recipe("dsv4-tiny")
+        template = load_recipe("dsv41-tiny" if v41 else "dsv4-tiny")
     if not isinstance(template, Recipe):
         template = Recipe.model_validate(template)
+    if template.model.family != family:
+        raise HfConfigError(f"{_family_source(config)}: the config is {family}'s, but template recipe "
+                            f"{template.name!r} is {template.model.family}'s (its cache formats and passes are "
+                            "another family's)")
     base = template.model_dump(mode="json")
-    flat, _ = model_fields(config)
+    flat, sources = model_fields(config)
     engram = engram_section(config)
-    if engram is not None:
-        raise HfConfigError(f"{ENGRAM_IDS}: the config has Engram layers {engram['layer_ids']}; from-hf writes "
-                            "deepseek_v4 recipes, which have none (a deepseek_v41 recipe's model.engram holds them)")
+    if engram is not None and not v41:
+        raise HfConfigError(f"{ENGRAM_IDS}: the config has Engram layers {engram['layer_ids']}, but none of DeepSeek "
+                            f"V4.1's keys ({', '.join(V41_KEYS[:2])}, dspark_* ...); a deepseek_v4 recipe has no "
+                            "Engram, and only a V4.1 config gives a deepseek_v41 recipe, whose model.engram holds them")
     weights = weights_section(config)
     model = _nest(flat)
     model["max_seq_len"] = base["model"]["max_seq_len"] if max_seq_len is None else max_seq_len
     model["init_seed"] = base["model"]["init_seed"]
-    ordered = {key: model[key] for key in V4ModelSpec.model_fields if key in model}  # schema order reads best
+    passes = copy.deepcopy(base["passes"])
+    if v41:
+        model["draft"]["confidence_threshold"] = base["model"]["draft"]["confidence_threshold"]
+        model["draft"] = {key: model["draft"][key] for key in DSparkSpec.model_fields if key in model["draft"]}
+        if engram is not None:
+            model["engram"] = engram
+            sources.update({"engram.layer_ids": ENGRAM_IDS, **{f"engram.{f}": key for f, key, _ in ENGRAM_KEYS}})
+        block = dspark_block_size(config)
+        passes["draft"]["width"], passes["verify"]["width"] = block, block + 1
+    spec = V41ModelSpec if v41 else V4ModelSpec
+    ordered = {key: model[key] for key in spec.model_fields if key in model}  # schema order reads best
+    if v41:
+        _check_model(ordered, sources)
     rewrites = copy.deepcopy(base["rewrites"])
     for rewrite in rewrites:
         if rewrite["name"] == "fuse_window_snapshot":
-            rewrite["expect_matches"].update(verify=flat["num_layers"], draft=0)
+            rewrite["expect_matches"].update(verify=flat["num_layers"], draft=flat["draft.stages"] if v41 else 0)
     doc = {"recipe_version": 1, "name": name, "model": ordered, "cache": base["cache"],
-           "passes": base["passes"], "rewrites": rewrites}
+           "passes": passes, "rewrites": rewrites}
     if weights is not None:
         doc["weights"] = weights
     return doc
+
+
+def _check_model(model: dict[str, Any], sources: dict[str, str]) -> None:
+    """The V4.1 model section's own checks (CSA2's roles, ids in range), each problem named by
+    the config key its field came from; a problem with a field no key gave is left to the
+    recipe's loader, which names the field."""
+    from pydantic import ValidationError
+
+    from b12x_toolchain.exporter.recipe.schema import V41ModelSpec
+
+    try:
+        V41ModelSpec.model_validate(model)
+    except ValidationError as exc:
+        for error in exc.errors():
+            path = [str(part) for part in (*error["loc"], *(error.get("ctx") or {}).get("path", ()))]
+            for end in range(len(path), 0, -1):
+                source = sources.get(".".join(path[:end]))
+                if source:
+                    detail = (error.get("ctx") or {}).get("detail") or error["msg"]
+                    raise HfConfigError(f"{source}: {detail} (model.{'.'.join(path)})") from None

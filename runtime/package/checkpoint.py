@@ -21,8 +21,10 @@ from b12x_toolchain.runtime.strict_json import load_document
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 INDEX_LIMIT = 64 << 20
-# safetensors dtype codes for the dtypes a calling convention may use (runtime/package/abi.py)
-DTYPE_CODES = {"F32": "float32", "BF16": "bfloat16", "I32": "int32", "I64": "int64", "U8": "uint8", "BOOL": "bool"}
+# safetensors dtype codes for the dtypes a calling convention may use (runtime/package/abi.py),
+# weights in their storage formats included: E4M3 data, UE8M0 scales, packed E2M1 as int8.
+DTYPE_CODES = {"F32": "float32", "BF16": "bfloat16", "I32": "int32", "I64": "int64", "U8": "uint8", "BOOL": "bool",
+               "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu", "I8": "int8"}
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
