@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def vocab16(small_recipe, tmp_path_factory):
-    recipe = recipe_variant(small_recipe, {"model.vocab_size": VOCAB}, name="dsv41-vocab16")
+    recipe = recipe_variant(small_recipe, {"model.vocab_size": VOCAB, "model.engram.compressed_vocab_size": VOCAB},
+                            name="dsv41-vocab16")
     return load(export_package(recipe, tmp_path_factory.mktemp("vocab16")).path)
 
 
