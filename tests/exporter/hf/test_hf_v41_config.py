@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.exporter.hf.config import HfConfigError, is_v41, model_fields, recipe_from_hf_config
-from b12x_toolchain.exporter.model.engram_hashing import layer_primes
+from b12x_toolchain.exporter.hf.config_writer import v41_config_dict
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
 from conftest import recipe_variant
 
@@ -28,41 +28,7 @@ V41_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8
 
 def v41_config(recipe, block_size: int | None = None) -> dict:
     """config.json as a DeepSeek V4.1 checkpoint would state `recipe`'s model."""
-    m = recipe.model
-    c, d, e = m.csa2, m.draft, m.engram
-    rope = {"rope_type": "default"} if m.yarn is None else {
-        "rope_type": "yarn", "factor": m.yarn.factor, "original_max_position_embeddings":
-        m.yarn.original_max_position_embeddings, "beta_fast": m.yarn.beta_fast, "beta_slow": m.yarn.beta_slow}
-    config = {
-        "model_type": "deepseek_v41", "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-        "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads, "num_key_value_heads": 1,
-        "head_dim": m.head_dim, "qk_rope_head_dim": m.rope_head_dim, "q_lora_rank": m.q_lora_rank,
-        "o_groups": m.o_groups, "o_lora_rank": m.o_lora_rank, "compress_ratios": list(m.compress_ratios),
-        "sliding_window": m.window, "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope_theta,
-        "compress_rope_theta": m.compress_rope_theta, "rope_scaling": rope,
-        "index_n_heads": m.indexer.heads, "index_head_dim": m.indexer.head_dim, "index_topk": m.indexer.topk,
-        "hc_mult": m.hyper_connections.mult, "hc_sinkhorn_iters": m.hyper_connections.sinkhorn_iters,
-        "hc_eps": m.hyper_connections.eps, "n_routed_experts": m.moe.experts,
-        "num_experts_per_tok": m.moe.experts_per_token, "n_shared_experts": m.moe.shared_experts,
-        "moe_intermediate_size": m.moe.intermediate_size, "num_hash_layers": m.moe.hash_layers,
-        "scoring_func": m.moe.scoring, "routed_scaling_factor": m.moe.routed_scaling_factor,
-        "swiglu_limit": m.moe.swiglu_limit, "num_nextn_predict_layers": d.stages,
-        "kv_source_layer_ids": list(c.kv_source_layer_ids), "index_source_layer_ids": list(c.index_source_layer_ids),
-        "candidate_source_layer_id": c.candidate_source_layer_id, "candidate_topk_blocks": c.candidate_topk_blocks,
-        "candidate_block_size": c.candidate_block_size,
-        "dspark_block_size": recipe.passes.draft.width if block_size is None else block_size,
-        "dspark_target_layer_ids": list(d.target_layer_ids), "dspark_noise_token_id": d.noise_token_id,
-        "dspark_markov_rank": d.markov_rank, "dspark_n_routed_experts": d.moe.experts,
-        "dspark_num_experts_per_tok": d.moe.experts_per_token, "tie_word_embeddings": False,
-    }
-    if e is not None:
-        primes = layer_primes(e.prime_search_start, list(e.layer_ids), e.max_ngram - 1, e.heads_per_order)
-        config.update({
-            "engram_layer_ids": list(e.layer_ids), "engram_max_ngram_size": e.max_ngram,
-            "engram_n_heads": e.heads_per_order, "engram_head_dim": e.head_dim,
-            "engram_vocab_size": e.prime_search_start, "engram_compressed_vocab_size": e.compressed_vocab_size,
-            "engram_pad_token_id": e.pad_id, "engram_num_embeddings": [sum(primes[i]) for i in e.layer_ids]})
-    return config
+    return v41_config_dict(recipe, block_size)
 
 
 @pytest.fixture(scope="module")
