@@ -170,7 +170,11 @@ def _whole(expected: dict, mapping) -> dict:
         if split is not None and split.axis >= len(shape):
             raise PackageError(f"manifest.json: parallel.splits.{name} cuts axis {split.axis} of a "
                                f"{len(shape)}-axis tensor")
-        out[name] = (dtype, split.whole(shape) if split else shape)
+        whole = split.whole(shape) if split else shape
+        if split is not None and split.shape(whole) != shape:
+            raise PackageError(f"manifest.json: parallel.splits.{name} gives a rank {list(split.shape(whole))} of a "
+                               f"{list(whole)} tensor; the passes take {list(shape)}")
+        out[name] = (dtype, whole)
     return out
 
 
