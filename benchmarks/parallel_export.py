@@ -4,7 +4,9 @@
   (fake weights, every rank on torch's fake process group) in a fresh process with two
   jobs. Rows:
   - per-rank weight bytes against the whole model's (the ideal split's share is in params,
-    with the replicated bytes and the replicated tensors' names);
+    with the replicated bytes and the replicated tensors' names), with the Engram tables on
+    the device; with them in pinned host memory (`engram_tables="host"`), a rank's device
+    bytes against the whole model's and its host bytes against all of its weights;
   - the split tensors' bytes on one rank against the ideal 1/8 of theirs (1.0 = exact);
   - per pass: collectives in rank 0's graph (all-reduce, all-gather), as a count against
     the number of target layers;
@@ -81,6 +83,12 @@ def parallel_export(settings: Settings) -> list:
               "replicated_names": sizes["replicated_names"]}
     out = [Measurement("export.parallel", "weight bytes per rank", "GiB", "whole model", "rank",
                        whole / (1 << 30), sizes["per_rank"] / (1 << 30), sizes["per_rank"] / whole, params),
+           Measurement("export.parallel", "device bytes per rank, tables on host", "GiB", "whole model", "rank",
+                       whole / (1 << 30), sizes["per_rank_device"] / (1 << 30), sizes["per_rank_device"] / whole,
+                       params),
+           Measurement("export.parallel", "host bytes per rank, tables on host", "GiB", "rank's weights",
+                       "Engram tables", sizes["per_rank"] / (1 << 30), sizes["per_rank_host"] / (1 << 30),
+                       sizes["per_rank_host"] / sizes["per_rank"], params),
            Measurement("export.parallel", "split tensors per rank", "GiB", "ideal 1/8", "rank",
                        sizes["sharded_ideal"] / (1 << 30), sizes["sharded_per_rank"] / (1 << 30),
                        sizes["sharded_per_rank"] / sizes["sharded_ideal"], params)]

@@ -20,13 +20,22 @@ persistent by commit for the accepted rows only — so rollback, slot reuse (pos
 restart; rows before position 0 count as before the sequence start) and prefix snapshots
 (a ring, stored and restored as every ring is) need nothing of their own. Inside a pass, a
 row's tokens are each other's predecessors: a verify block hashes as decoding it would.
+
+Under tensor parallelism a layer's table is split by hash head, as vLLM splits it: with t
+ranks, rank r holds the complete columns [r*k, min((r+1)*k, columns)), k = ceil(columns / t),
+whose rows are one contiguous range of the table (`row_ranges`), padded with zero rows to
+the longest range so every rank's shard has one shape. Each rank looks up its own columns
+with row ids local to its range; an all-gather over the ranks puts the columns back in
+order (padding columns dropped). On one device the lookup is the table's, as it was.
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model import buffer_names
 from b12x_toolchain.exporter.model.cache_io import _before
@@ -48,15 +57,33 @@ def table_rows(d) -> dict[int, int]:
 
 
 def hash_primes(d) -> dict[int, list[int]]:
-    e = d.engram
-    return layer_primes(e.prime_start, e.layer_ids, e.max_ngram - 1, e.heads)
+    return _primes(d.engram)
+
+
+@lru_cache(maxsize=8)
+def _primes(e) -> dict[int, list[int]]:
+    return layer_primes(e.prime_start, list(e.layer_ids), e.max_ngram - 1, e.heads)
+
+
+def column_ranges(columns: int, parts: int) -> list[tuple[int, int]]:
+    """Each of `parts` ranks' columns [first, stop): ceil(columns / parts) a rank, the last ones
+    fewer (or none)."""
+    k = -(-columns // parts)
+    return [(min(r * k, columns), min((r + 1) * k, columns)) for r in range(parts)]
+
+
+def row_ranges(d, layer: int, parts: int) -> list[tuple[int, int]]:
+    """Each rank's rows [start, stop) of layer `layer`'s table: the rows of its columns."""
+    primes = hash_primes(d)[layer]
+    offsets = [sum(primes[:c]) for c in range(len(primes) + 1)]
+    return [(offsets[first], offsets[stop]) for first, stop in column_ranges(len(primes), parts)]
 
 
 class Engram:
     """The Engram layers of one model (Dims): hashes once per pass, then each layer's block."""
 
-    def __init__(self, d, linear):
-        self.d, self.e, self.linear = d, d.engram, linear
+    def __init__(self, d, linear, mesh=None):
+        self.d, self.e, self.linear, self.mesh = d, d.engram, linear, mesh
         self.primes = hash_primes(d)
         self.multipliers = {layer: layer_multipliers(layer, self.e.max_ngram, self.e.compressed_vocab)
                             for layer in self.e.layer_ids}
@@ -79,7 +106,7 @@ class Engram:
     def block(self, w, layer: int, streams: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """Streams [R, T, N, D] plus each stream's gated value."""
         d, p = self.d, prefix(layer)
-        rows = ops.engram_lookup(w[p + "embed.weight"], w.get(p + "embed.weight_scale"), row_ids)
+        rows = self.lookup(layer, w[p + "embed.weight"], w.get(p + "embed.weight_scale"), row_ids)
         kv = self.linear(w, p + "wkv.weight", rows.to(torch.float32))
         n, dim = streams.shape[-2:]
         key, value = kv[..., : n * dim].unflatten(-1, (n, dim)), kv[..., n * dim :]
@@ -89,3 +116,21 @@ class Engram:
         dot = dot / math.sqrt(dim)
         gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=GATE_FLOOR).sqrt())
         return streams + gate[..., None] * value[..., None, :]
+
+    def lookup(self, layer: int, table, scale, row_ids: torch.Tensor) -> torch.Tensor:
+        """The rows [R, T, columns * head_dim] that `row_ids` (global) name. Split by hash head,
+        this rank reads its columns' rows from its shard and the all-gather assembles the rest."""
+        mesh = self.mesh
+        if mesh is None or mesh.tensor == 1:
+            return ops.engram_lookup(table, scale, row_ids)
+        columns = self.e.columns
+        first, stop = column_ranges(columns, mesh.tensor)[mesh.rank]
+        start = row_ranges(self.d, layer, mesh.tensor)[mesh.rank][0]
+        per_rank = -(-columns // mesh.tensor)
+        # A rank short of columns looks up row 0 of its shard (a real or a padding row) for the
+        # missing ones; the gather's padding columns are dropped.
+        local = row_ids[..., first:stop] - start
+        if stop - first < per_rank:
+            local = F.pad(local, (0, per_rank - (stop - first)))
+        gathered = mesh.gather_last(ops.engram_lookup(table, scale, local))
+        return gathered if columns % mesh.tensor == 0 else gathered[..., : columns * self.e.head_dim]

@@ -5,7 +5,8 @@ up-projection column-parallel by heads, the grouped O column-parallel by groups 
 row-parallel, the embedding and head vocab-parallel, shared experts column then row
 parallel) and is data: a weight's split is looked up by the end of its name. Routed
 experts are whole per rank under expert parallelism, else split by intermediate
-dimension. Everything else — norms, mHC, the compressors, the indexer, the routers,
+dimension. Engram's tables are split by hash head: each rank holds its complete columns'
+rows, one range of the table's rows (exporter/model/engram.py). Everything else — norms, mHC, the compressors, the indexer, the routers,
 DSpark's projections — is replicated: MLA has one latent KV head, so every rank keeps
 the same window and compressed caches (no data-parallel attention).
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from b12x_toolchain.exporter.model.engram import prefix, row_ranges
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, Spec, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.parallel.mapping import Split
@@ -54,6 +56,9 @@ def split_of(name: str, d: Dims) -> Split | None:
     """How `name` is split across d's ranks (None: every rank holds all of it). A block-scaled
     weight's scale is split as its data, along the same axis (the recipe keeps the cut on block
     boundaries: weight_layout.py)."""
+    table = engram_table_layer(name, d)
+    if table is not None:
+        return Split(0, d.tensor, ranges=tuple(row_ranges(d, table, d.tensor))) if d.tensor > 1 else None
     for suffix, axis in TENSOR_SPLITS.items():
         if name.endswith((suffix, suffix + SCALE_SUFFIX)):
             return Split(axis, d.tensor) if d.tensor > 1 else None
@@ -63,6 +68,21 @@ def split_of(name: str, d: Dims) -> Split | None:
                 return Split(0, d.expert)
             return Split(axis, d.tensor, suffix in HALVES) if d.tensor > 1 else None
     return None
+
+
+def engram_table_layer(name: str, d: Dims) -> int | None:
+    """The Engram layer whose table (data or scales) `name` is, else None."""
+    if d.engram is None:
+        return None
+    for layer in d.engram.layer_ids:
+        if name in (prefix(layer) + "embed.weight", prefix(layer) + "embed.weight" + SCALE_SUFFIX):
+            return layer
+    return None
+
+
+def engram_tables(d: Dims) -> tuple[str, ...]:
+    """The weights that are Engram tables, data and scales (the manifest's weights.engram_tables)."""
+    return tuple(name for name in weight_specs(d) if engram_table_layer(name, d) is not None)
 
 
 def rank_weight_specs(d: Dims) -> dict[str, Spec]:
@@ -86,21 +106,33 @@ def rank_weights(weights: dict[str, torch.Tensor], d: Dims, rank: int) -> dict[s
 
 
 def weight_bytes(d: Dims) -> dict:
-    """Bytes per rank: of the split tensors, of the replicated ones (listed), and the ideal split.
-    Stored bytes, so they follow the weights' formats: a block-scaled weight is its data and its scales."""
-    split_bytes = replicated_bytes = 0
+    """Bytes per rank: of the split tensors (as each rank holds them: an Engram table's shard
+    with its padding rows), of the replicated ones (listed), and the ideal split. Stored bytes,
+    so they follow the weights' formats: a block-scaled weight is its data and its scales.
+
+    `per_rank` is with every weight on the device; with the Engram tables in host memory
+    (`engram_tables="host"`), `per_rank_device` is what stays on the device and
+    `per_rank_host` is the tables' share of a rank, in the host's pinned memory."""
+    split_bytes = sharded_per_rank = replicated_bytes = tables = 0
     replicated = []
     for name, (shape, dtype) in weight_specs(d).items():
-        size = math.prod(shape) * getattr(torch, dtype).itemsize
-        if split_of(name, d):
+        itemsize = getattr(torch, dtype).itemsize
+        size = math.prod(shape) * itemsize
+        split = split_of(name, d)
+        local = math.prod(split.shape(shape)) * itemsize if split else size
+        if split:
             split_bytes += size
+            sharded_per_rank += local
         else:
             replicated_bytes += size
             replicated.append(name)
+        if engram_table_layer(name, d) is not None:
+            tables += local
     world = d.world_size
-    return {"world_size": world, "sharded_per_rank": split_bytes // world, "sharded_ideal": split_bytes / world,
-            "replicated": replicated_bytes, "replicated_names": replicated,
-            "per_rank": split_bytes // world + replicated_bytes}
+    per_rank = sharded_per_rank + replicated_bytes
+    return {"world_size": world, "sharded_per_rank": sharded_per_rank, "sharded_ideal": split_bytes / world,
+            "replicated": replicated_bytes, "replicated_names": replicated, "per_rank": per_rank,
+            "per_rank_device": per_rank - tables, "per_rank_host": tables}
 
 
 @dataclass(frozen=True)

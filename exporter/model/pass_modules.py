@@ -31,7 +31,7 @@ class DeepSeekPass(DeepSeekCompute):
     def __init__(self, d, rank: int = 0):
         super().__init__(d, rank)
         self.drafter = (MtpDrafter if d.v4 else DSparkDrafter)(d, self)
-        self.engram = Engram(d, self.linear) if d.engram is not None else None
+        self.engram = Engram(d, self.linear, self.mesh) if d.engram is not None else None
 
     def target(self, w, io, caches, tokens, pos, row_ids):
         """All target layers; returns the logits, the final streams and each layer's streams."""

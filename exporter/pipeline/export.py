@@ -11,6 +11,7 @@ import torch
 
 import b12x_toolchain
 from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
+from b12x_toolchain.exporter.model.parallel import engram_tables
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.exporter.model.weights import init_weights, weight_formats
@@ -160,7 +161,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
             files[ranks.weights_file(rank)] = weights_bytes(shards[rank])
         # A parallel package's weights are per rank: parallel.ranks[r].weights.
         weights_entry = Weights(source, None if ranks.parallel else ranks.weights_file(None),
-                                formats=weight_formats(d), activation=d.activation)
+                                formats=weight_formats(d), activation=d.activation, engram_tables=engram_tables(d))
     model = ModelFacts(
         recipe.model.family, d.vocab, d.max_seq_len, d.noise_token_id, d.confidence_threshold,
         # On exactly when the snapshot codec covers every cache: window, compressed, state, draft rings.

@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from b12x_toolchain.exporter.model.parallel import rank_weight_specs
+from b12x_toolchain.exporter.model.parallel import engram_tables, rank_weight_specs
 from b12x_toolchain.exporter.model.weights import weight_formats, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.package.manifest import Weights, WeightTensor
@@ -34,4 +34,4 @@ def external_weights(d: Dims, checksums: dict[str, str] | None = None) -> Weight
     tensors = {name: WeightTensor(dtype, tuple(shape), checksums.get(name))
                for name, (shape, dtype) in weight_specs(d).items()}
     return Weights("external: bound from a checkpoint at load time", external=True, tensors=tensors,
-                   formats=weight_formats(d), activation=d.activation)
+                   formats=weight_formats(d), activation=d.activation, engram_tables=engram_tables(d))

@@ -29,6 +29,7 @@ from b12x_toolchain.runtime.package.manifest_sections import (  # noqa: F401
     Rewrites,
     Weights,
     WeightTensor,  # (re-exported: the sections)
+    check_engram_tables,
     check_weight_formats,
     expect,
     expect_keys,
@@ -49,8 +50,9 @@ from b12x_toolchain.runtime.parallel.mapping import Mapping
 # a package for one device is still written as 4.0. 4.2 adds weights stored in formats
 # (`weights.formats`, `weights.activation`: weight_format.py), with op set 5's quantized
 # linears; a package without them is still written as 4.0 or 4.1. 4.3 adds Engram: the
-# token_history cache and staging kinds, and op set 6's engram_hash and engram_lookup; a
-# package without Engram is written as before.
+# token_history cache and staging kinds, op set 6's engram_hash and engram_lookup, the
+# tables listed (`weights.engram_tables`) and, under tensor parallelism, split by hash head
+# (a split's `ranges`: runtime/parallel/mapping.py); a package without Engram is written as before.
 FORMAT_VERSION = "4.3"
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
@@ -149,8 +151,9 @@ class Manifest:
             raise PackageError(f"{WHERE}: 'files' is missing or empty")
         model, rewrites = ModelFacts.from_json(data.get("model")), Rewrites.from_json(data.get("rewrites"))
         weights = Weights.from_json(data.get("weights"))
-        check_weight_formats(weights.formats, {s.name: s.dtype for p in passes.values() for s in p.inputs
-                                               if s.role == "weight"})
+        weight_dtypes = {s.name: s.dtype for p in passes.values() for s in p.inputs if s.role == "weight"}
+        check_weight_formats(weights.formats, weight_dtypes)
+        check_engram_tables(weights.engram_tables, weight_dtypes)
         expect_keys(data, "top level", FIELDS, OPTIONAL)  # only unknown fields are left to find
         return cls(data["format_version"], data["opset_version"], data["name"], data["recipe"],
                        data["recipe_sha256"], model, passes, buffers, dict(data["cache_formats"]),

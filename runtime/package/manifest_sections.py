@@ -140,7 +140,9 @@ class Weights:
     weight's name; its scale tensor is the name plus `_scale`. `activation`: how the quantized
     linears treat their inputs, `none` or `deepseek` (E4M3 per token per 128 channels first).
     Both are written only when some weight is not fp32, so an all-fp32 package reads and
-    hashes as before they existed."""
+    hashes as before they existed. `engram_tables`: the weights that are Engram tables (data
+    and scales), which a session may keep in host memory (`engram_tables="host"`); written
+    only when the model has Engram."""
 
     source: str
     file: str | None = None
@@ -148,6 +150,7 @@ class Weights:
     tensors: dict[str, WeightTensor] | None = None
     formats: dict[str, WeightFormat] = dataclasses.field(default_factory=dict)
     activation: str = "none"
+    engram_tables: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         if self.external:
@@ -157,6 +160,8 @@ class Weights:
             out = {"file": self.file, "source": self.source}
         if self.formats:
             out.update(formats={n: f.to_json() for n, f in sorted(self.formats.items())}, activation=self.activation)
+        if self.engram_tables:
+            out["engram_tables"] = list(self.engram_tables)
         return out
 
     @classmethod
@@ -167,17 +172,29 @@ class Weights:
         expect(isinstance(external, bool), "weights.external", external, "a boolean")
         expect(isinstance(data.get("source"), str), "weights.source", data.get("source"), "a string")
         formats, activation = _formats(data)
+        tables = data.get("engram_tables", [])
+        expect(isinstance(tables, list) and all(isinstance(n, str) and n for n in tables)
+               and len(set(tables)) == len(tables) and ("engram_tables" not in data or tables),
+               "weights.engram_tables", tables, "a non-empty list of distinct weight names")
         if not external:
-            expect_keys(data, "weights", ("file", "source"), ("external", "formats", "activation"))
+            expect_keys(data, "weights", ("file", "source"), ("external", "formats", "activation", "engram_tables"))
             expect(data["file"] is None or isinstance(data["file"], str), "weights.file", data["file"],
                     "a file name or null")
-            return cls(data["source"], data["file"], formats=formats, activation=activation)
-        expect_keys(data, "weights", ("external", "source"), ("tensors", "formats", "activation"))
+            return cls(data["source"], data["file"], formats=formats, activation=activation,
+                       engram_tables=tuple(tables))
+        expect_keys(data, "weights", ("external", "source"), ("tensors", "formats", "activation", "engram_tables"))
         tensors = data.get("tensors")
         if not isinstance(tensors, dict):
             raise PackageError(f"{WHERE}: weights are external but 'weights.tensors' is missing")
         return cls(data["source"], None, True, {n: _weight_tensor(n, t) for n, t in tensors.items()}, formats,
-                   activation)
+                   activation, tuple(tables))
+
+
+def check_engram_tables(tables, weight_dtypes: dict[str, str]) -> None:
+    """Each listed Engram table is a weight input."""
+    for name in tables:
+        if name not in weight_dtypes:
+            raise PackageError(f"{WHERE}: weights.engram_tables lists {name}, which is no weight input of the passes")
 
 
 def check_weight_formats(formats: dict[str, WeightFormat], weight_dtypes: dict[str, str]) -> None:

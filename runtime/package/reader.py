@@ -118,14 +118,17 @@ class Package:
 
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                compile=False, compile_cache=None, passes=None, capture=None):
+                compile=False, compile_cache=None, passes=None, capture=None, engram_tables="device"):
         """A session of `slots` request slots; `pages` (per pool, or one count for every pool)
         or `cache_bytes` bound the paged caches (default: every slot can reach max_seq_len);
         `contiguous` keeps each slot's pages in one run (Session); `compile` (True, or pass
         names) replays those passes through Inductor, compiled on this machine on first use
         and cached under `compile_cache` (session/compiled.py). `passes` (names) prepares only
         those, and deserialises only their graphs (default: every pass); `capture` is how each
-        bucket's step is captured (graph_runner.py: CUDA graphs on a CUDA device by default)."""
+        bucket's step is captured (graph_runner.py: CUDA graphs on a CUDA device by default).
+        `engram_tables`: "device" (default) keeps the Engram tables on `device` like every
+        weight; "host" keeps them in pinned host memory on a CUDA device, the lookup reading
+        the rows it needs in place (on a CPU device the two are the same)."""
         from b12x_toolchain.runtime.session.session import Session
 
         if not self.joined:
@@ -136,7 +139,7 @@ class Package:
                                "load it with load(path, weights=CHECKPOINT_DIR)")
         return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers, pages=pages,
                        cache_bytes=cache_bytes, contiguous=contiguous, compile=compile, compile_cache=compile_cache,
-                       passes=passes, capture=capture)
+                       passes=passes, capture=capture, engram_tables=engram_tables)
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),

@@ -159,6 +159,24 @@ def _natural(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+ENGRAM_TABLE_PLACES = ("device", "host")
+
+
+def check_engram_tables_place(engram_tables) -> None:
+    if not isinstance(engram_tables, str) or engram_tables not in ENGRAM_TABLE_PLACES:
+        raise ValueError(f"engram_tables={engram_tables!r}: expected one of {', '.join(map(repr, ENGRAM_TABLE_PLACES))}")
+
+
+def place_weights(weights: dict[str, torch.Tensor], device: torch.device, tables, engram_tables: str = "device"):
+    """Every weight on `device`; with engram_tables="host" on a CUDA device, the Engram tables
+    (`tables`: the manifest's weights.engram_tables, data and scales) stay in host memory, pinned,
+    and the lookup reads the rows it needs in place (a CUDA graph's replay included). On a CPU
+    device both places are the same."""
+    check_engram_tables_place(engram_tables)
+    host = set(tables) if engram_tables == "host" and device.type == "cuda" else set()
+    return {name: t.pin_memory() if name in host else t.to(device) for name, t in weights.items()}
+
+
 def _whole(expected: dict, mapping) -> dict:
     """The whole tensors a rank's weight inputs are cut from."""
     for name in mapping.splits:
@@ -170,7 +188,11 @@ def _whole(expected: dict, mapping) -> dict:
         if split is not None and split.axis >= len(shape):
             raise PackageError(f"manifest.json: parallel.splits.{name} cuts axis {split.axis} of a "
                                f"{len(shape)}-axis tensor")
-        out[name] = (dtype, split.whole(shape) if split else shape)
+        whole = split.whole(shape) if split else shape
+        if split is not None and split.shape(whole) != shape:
+            raise PackageError(f"manifest.json: parallel.splits.{name} gives a rank {list(split.shape(whole))} of a "
+                               f"{list(whole)} tensor; the passes take {list(shape)}")
+        out[name] = (dtype, whole)
     return out
 
 

@@ -26,6 +26,7 @@ from b12x_toolchain.runtime.ops.qualify import check_fused_window
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.package.kinds import KINDS
+from b12x_toolchain.runtime.package.weight_binding import check_engram_tables_place, place_weights
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
 from b12x_toolchain.runtime.session.page_tables import PageTables
@@ -57,19 +58,23 @@ class Bucket:
 class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                  pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                 compile=False, compile_cache=None, capture=None, passes=None):
+                 compile=False, compile_cache=None, capture=None, passes=None, engram_tables="device"):
         """capture: how each bucket's step is captured (graph_runner.py): by default CUDA
         graphs on a CUDA device and none elsewhere; capture.RecordingCapture() runs the
         capture path off the GPU. passes: the pass names to prepare (default: all); only
-        their graphs are deserialised (package/pass_graph.py)."""
+        their graphs are deserialised (package/pass_graph.py). engram_tables: where the
+        Engram tables live, "device" (as every weight) or "host" (pinned CPU memory, read
+        in place by the lookup: package/weight_binding.py place_weights)."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
+        check_engram_tables_place(engram_tables)
         self.package, self.device = package, torch.device(device)
         self.slots, self.scratch_slot = slots, slots  # one extra slot absorbs padding rows
         all_buckets = sorted({b for p in package.passes.values() for b in p.rows_buckets})
         self.max_rows = max_rows or all_buckets[-1]
         self.seq_lens = [0] * (slots + 1)  # host mirror of the seq_len cache: validation needs no sync
-        self.weights = {k: v.to(self.device) for k, v in package.weights.items()}
+        self.weights = place_weights(package.weights, self.device, package.manifest.weights.engram_tables,
+                                     engram_tables)
         self.caches, self.staging = {}, {}
         page_specs = self._page_specs()
         self.pools = self._pools(page_specs, pages, cache_bytes, buffers or {})

@@ -30,6 +30,8 @@ V41_RELEASE = f"""weights:
   router: bf16
   norms: bf16
   draft_heads: bf16
+  engram_tables: {{format: fp8_e4m3, block: [1, 32], scale: ue8m0}}
+  engram_projection: {FP8_32}
 """
 GiB = 2**30
 
@@ -61,13 +63,19 @@ def test_per_rank_bytes_follow_the_formats():
     # q_b_proj [128, 64] column-parallel: 64 rows a rank, 2 x 2 blocks of 32.
     q = "model.layers.0.self_attn.q_b_proj.weight"
     assert ranks[q] == ((64, 64), "float8_e4m3fn") and ranks[q + SCALE_SUFFIX] == ((2, 2), "float8_e8m0fnu")
-    # Every rank holds its shard of the split weights and all of the others, in stored bytes.
-    expected = 0
+    # Every rank holds its shard of the split weights and all of the others, in stored bytes; an
+    # Engram table's shard is its longest range of rows (padded), the others half of the weight.
+    expected = tables = 0
     for name, (shape, dtype) in logical_specs(d).items():
-        fmt = weight_formats(d).get(name)
+        fmt, split = weight_formats(d).get(name), split_of(name, d)
+        if split is not None and split.ranges is not None:
+            shape = split.shape(shape)
         size = fmt.nbytes(shape) if fmt else math.prod(shape) * (8 if dtype == "int64" else 4)
-        expected += size // 2 if split_of(name, d) else size
-    assert weight_bytes(d)["per_rank"] == expected
+        expected += size // 2 if split is not None and split.ranges is None else size
+        tables += size if "engram.embed" in name else 0
+    sizes = weight_bytes(d)
+    assert tables and sizes["per_rank"] == expected and sizes["per_rank_host"] == tables
+    assert sizes["per_rank_device"] == expected - tables
 
 
 def test_full_size_v41_in_its_release_formats_fits_eight_ways():
@@ -79,6 +87,13 @@ def test_full_size_v41_in_its_release_formats_fits_eight_ways():
     fp32 = weight_bytes(Dims.from_recipe(recipe_variant(bundled, {**eight, **FP32_WEIGHTS})))
     native = weight_bytes(Dims.from_recipe(recipe_variant(bundled, eight)))
     total = native["sharded_ideal"] * 8 + native["replicated"]
-    assert round(fp32["per_rank"] / GiB, 2) == 162.25
-    assert native["per_rank"] <= 1.15 * total / 8 and native["per_rank"] / GiB < 24, native["per_rank"] / GiB
-    assert round(native["per_rank"] / GiB, 2) == 22.74  # the figure README.md quotes
+    # Per rank, GiB: fp32 254.98 (163.43 on the device + 91.56 of Engram tables); the release
+    # formats 46.64 with the tables on the device, or 23.04 on the device + 23.60 in pinned host
+    # memory with engram_tables="host" (the tables, ~203 GB in all, split by hash head).
+    assert round(fp32["per_rank"] / GiB, 2) == 254.98 and round(fp32["per_rank_device"] / GiB, 2) == 163.43
+    assert native["per_rank"] <= 1.15 * total / 8, native["per_rank"] / GiB
+    assert native["per_rank"] == native["per_rank_device"] + native["per_rank_host"]
+    # The figures README.md quotes; an H200 (141 GB) holds a rank's weights either way, and with
+    # the tables on the host the device keeps what it held before Engram, give or take its projections.
+    assert [round(native[k] / GiB, 2) for k in ("per_rank", "per_rank_device", "per_rank_host")] == [46.64, 23.04, 23.6]
+    assert native["per_rank_device"] / GiB < 24

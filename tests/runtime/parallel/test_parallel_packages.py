@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from b12x_toolchain.exporter.model.engram import row_ranges
 from b12x_toolchain.exporter.model.parallel import rank_weights
 from b12x_toolchain.exporter.model.weights import init_weights, weight_shapes
 from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums, write_checkpoint
@@ -61,7 +62,12 @@ def manifest(path):
 
 def test_every_rank_has_its_graphs_and_shards(packed, structural, recipe):
     m, s = manifest(packed), manifest(structural)
-    assert m["format_version"] == "4.1" and m["parallel"]["world_size"] == 2
+    assert m["format_version"] == "4.3" and m["parallel"]["world_size"] == 2  # 4.3: the recipe has Engram
+    # The Engram table is split by hash head: each rank's row range, recorded as data.
+    table = "model.layers.1.engram.embed.weight"
+    assert m["parallel"]["splits"][table] == {"axis": 0, "parts": 2, "halves": False,
+                                              "ranges": [list(r) for r in row_ranges(Dims.from_recipe(recipe), 1, 2)]}
+    assert m["weights"]["engram_tables"] == [table]
     assert m["abi_fingerprint"] == s["abi_fingerprint"]
     for rank in range(2):
         for name, graph in m["parallel"]["ranks"][rank]["graphs"].items():
@@ -74,8 +80,9 @@ def test_every_rank_has_its_graphs_and_shards(packed, structural, recipe):
     assert (packed / "ranks/0/graphs/verify.pt2").read_bytes() != (packed / "ranks/1/graphs/verify.pt2").read_bytes()
     program = load_graph("verify", (packed / "ranks/0/graphs/verify.pt2").read_bytes())
     layers = recipe.model.num_layers
-    # Per layer: after the row-parallel O and after the experts; one for the embedding; the head's gather.
-    assert collective_counts(program.graph) == {"all_reduce": 2 * layers + 1, "all_gather_into_tensor": 1}
+    # Per layer: after the row-parallel O and after the experts; one for the embedding; the head's
+    # gather, and one per Engram layer (its columns).
+    assert collective_counts(program.graph) == {"all_reduce": 2 * layers + 1, "all_gather_into_tensor": 2}
     assert m["parallel"]["collectives"]["verify"] == collective_counts(program.graph)
     assert m["parallel"]["collectives"]["commit"] == {}
     with pytest.raises(PackageError, match="calls _c10d_functional.all_reduce.default, but the package has no "
