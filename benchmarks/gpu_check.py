@@ -424,12 +424,12 @@ def poisoned_step(session, slots, positions, draft_tokens, verify_tokens, accept
     return draft, verify, staging
 
 
-def open_session(pkg, device: str, seed: int = 7):
+def open_session(pkg, device: str, seed: int = 7, engram_tables: str = "device"):
     import torch
 
     from b12x_toolchain.runtime.serving.speculative import Decoder
 
-    session = pkg.session(device=device, slots=4, max_rows=4)
+    session = pkg.session(device=device, slots=4, max_rows=4, engram_tables=engram_tables)
     gen = torch.Generator().manual_seed(seed)
     for slot, length in enumerate(PROMPT_LENGTHS):
         Decoder(session).prefill(slot, torch.randint(0, pkg.vocab_size, (length,), generator=gen).tolist())
@@ -488,6 +488,23 @@ def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
     record("CUDA = CPU history snapshot", same_history, "verify staging rows 0..127 identical from identical caches")
     record("CUDA vs CPU appended rows", None,
            f"{differing}/{appended} appended window rows differ (float math order differs across devices)")
+
+
+def host_tables(gpu_session, pkg) -> None:
+    """Engram's tables in pinned host memory, read in place by the captured graphs: the same
+    prefill and verify logits as with the tables on the device."""
+    import torch
+
+    host = open_session(pkg, "cuda", engram_tables="host")
+    pinned = [t for name, t in host.weights.items() if name in pkg.manifest.weights.engram_tables]
+    record("engram tables on the host are pinned", bool(pinned) and all(t.is_pinned() for t in pinned),
+           f"{len(pinned)} table tensors in page-locked host memory")
+    slots = [0, 1]
+    positions = [gpu_session.seq_lens[s] for s in slots]
+    tokens = torch.randint(0, pkg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(9)).tolist()
+    logits = [s.replay("verify", token_ids=tokens, slot_ids=slots, positions=positions)["logits"].cpu()
+              for s in (gpu_session, host)]
+    record("engram host tables = device tables", torch.equal(*logits), "verify logits bit for bit after the same prefills")
 
 
 def allocation(session) -> None:
@@ -601,6 +618,7 @@ def sessions(device: str) -> None:
     if device == "cpu":
         return
     cuda_vs_cpu(fused, fused_pkg)
+    host_tables(fused, fused_pkg)
     allocation(fused)
     graph_nodes(fused, unfused)
     replay_rate(fused, unfused)
