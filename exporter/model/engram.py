@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from b12x_toolchain.exporter.model import buffer_names
 from b12x_toolchain.exporter.model.cache_io import _before
 from b12x_toolchain.exporter.model.engram_hashing import layer_multipliers, layer_primes
+from b12x_toolchain.runtime.ops.engram_ops import prime_offsets
 from b12x_toolchain.runtime.ops.opset import ops
 
 TOKEN_MAP = "model.engram.token_map"  # int64 [vocab]: token id -> compressed id
@@ -75,7 +76,7 @@ def column_ranges(columns: int, parts: int) -> list[tuple[int, int]]:
 def row_ranges(d, layer: int, parts: int) -> list[tuple[int, int]]:
     """Each rank's rows [start, stop) of layer `layer`'s table: the rows of its columns."""
     primes = hash_primes(d)[layer]
-    offsets = [sum(primes[:c]) for c in range(len(primes) + 1)]
+    offsets = prime_offsets(primes) + [sum(primes)]  # each column's first row, then the table's end
     return [(offsets[first], offsets[stop]) for first, stop in column_ranges(len(primes), parts)]
 
 

@@ -172,15 +172,21 @@ class CommitPass(DeepSeekPass):
                                          cache.shape[1] // c.row_bytes)
                     ops.write_slots(cache, stage, slots, "bytes")
                 else:  # state: the last span - 1 committed rows are all a later group can read
-                    ops.write_rows(cache, stage, row_ids, pos % c.rows, accepted & (pos > end - c.rows), "bytes")
+                    _commit_ring(cache, stage, row_ids, pos, accepted, end, c.rows)
         history = buffers.token_history(d)
-        if history is not None:  # like a state ring: the accepted rows the next pass can read
-            ops.write_rows(caches[names.cache(history.name)], staging[names.staging(self.reads_staging_of, history.name)],
-                           row_ids, pos % history.rows, accepted & (pos > end - history.rows), "bytes")
+        if history is not None:  # Engram's token history is a state ring too
+            _commit_ring(caches[names.cache(history.name)], staging[names.staging(self.reads_staging_of, history.name)],
+                         row_ids, pos, accepted, end, history.rows)
         self.drafter.commit(caches, staging, row_ids, pos, accepted, end)
         next_positions = (positions + accept_len).to(torch.int32)
         ops.set_seq_len(caches[names.SEQ_LEN], row_ids, next_positions)
         return {names.output("next_positions"): next_positions}
+
+
+def _commit_ring(cache, stage, row_ids, pos, accepted, end, rows: int) -> None:
+    """Accepted staged rows into a ring of `rows` per slot: only the last `rows` positions of a
+    row's committed ones, which are all a later pass can read."""
+    ops.write_rows(cache, stage, row_ids, pos % rows, accepted & (pos > end - rows), "bytes")
 
 
 def _block_tables(inputs) -> dict:

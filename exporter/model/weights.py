@@ -23,6 +23,7 @@ import math
 import torch
 
 from b12x_toolchain.exporter.model.engram import TOKEN_MAP, prefix, table_rows
+from b12x_toolchain.exporter.model.engram_token_map import identity_token_map
 from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.formats.weight_formats import quantize_fp4, quantize_fp8_block
@@ -197,7 +198,7 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
     out = {}
     for name, (shape, dtype) in sorted(logical_specs(d).items()):
         if name.endswith("engram.token_map"):  # random weights take the identity-style map
-            tensor = torch.arange(shape[0]) % d.engram.compressed_vocab
+            tensor = identity_token_map(shape[0], d.engram.compressed_vocab)
         elif dtype == "int64":  # hash routing table: distinct experts per token
             ranks = torch.rand((shape[0], d.moe.experts), generator=gen).argsort(dim=-1)
             tensor = ranks[:, : shape[1]].contiguous()

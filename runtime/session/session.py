@@ -26,7 +26,7 @@ from b12x_toolchain.runtime.ops.qualify import check_fused_window
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.package.kinds import KINDS
-from b12x_toolchain.runtime.package.weight_binding import check_engram_tables_place, place_weights
+from b12x_toolchain.runtime.package.weight_binding import place_weights
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
 from b12x_toolchain.runtime.session.page_tables import PageTables
@@ -67,7 +67,6 @@ class Session:
         in place by the lookup: package/weight_binding.py place_weights)."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
-        check_engram_tables_place(engram_tables)
         self.package, self.device = package, torch.device(device)
         self.slots, self.scratch_slot = slots, slots  # one extra slot absorbs padding rows
         all_buckets = sorted({b for p in package.passes.values() for b in p.rows_buckets})
