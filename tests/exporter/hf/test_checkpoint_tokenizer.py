@@ -18,7 +18,7 @@ from b12x_toolchain.exporter.pipeline.export import with_tokenizer
 from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest, write_package
 from b12x_toolchain.exporter.train.corpus import load_corpus
 from b12x_toolchain.exporter.train.tokenizer import save_tokenizer, train_tokenizer
-from b12x_toolchain.runtime import PackageError, load
+from b12x_toolchain.runtime import PackageError, TextCodec, load
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from b12x_toolchain.runtime.package.reader import read_manifest
 
@@ -78,7 +78,10 @@ def test_the_tokenizer_files_are_in_the_package(package, checkpoint):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (package / "tokenizer" / name).read_bytes() == (checkpoint / name).read_bytes()
         assert f"tokenizer/{name}" in manifest.files
+    shown = run("inspect", package)
+    assert "tokenizer: tokenizer/tokenizer.json, eos 0, pad 2, a chat template" in shown.stdout, shown.output
     codec = load(package).tokenizer
+    assert isinstance(codec, TextCodec) and TextCodec.from_package(load(package)).eos_id == 0
     assert codec.decode(codec.encode("def f():\n    pass\n")) == "def f():\n    pass\n"
     assert codec.apply_chat_template([{"role": "user", "content": "hi"}]) == "# user:\nhi\n# assistant:\n"
 
