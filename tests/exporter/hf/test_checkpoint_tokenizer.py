@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from b12x_toolchain.exporter.cli.main import main
-from b12x_toolchain.exporter.cli.run_requests import PromptError, encode_texts, from_ids, from_text
+from b12x_toolchain.exporter.cli.run_requests import Defaults, PromptError, encode_texts, from_ids, from_text
 from b12x_toolchain.exporter.hf.tokenizer_files import checkpoint_tokenizer
 from b12x_toolchain.exporter.pipeline.export import with_tokenizer
 from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest, write_package
@@ -21,6 +21,7 @@ from b12x_toolchain.exporter.train.tokenizer import save_tokenizer, train_tokeni
 from b12x_toolchain.runtime import PackageError, TextCodec, load
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from b12x_toolchain.runtime.package.reader import read_manifest
+from b12x_toolchain.runtime.serving.requests import Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -131,9 +132,8 @@ def test_a_text_prompt_without_a_tokenizer_names_the_package(package, tmp_path):
 
 def test_the_tokenizers_eos_is_the_default_stop(package):
     codec = load(package).tokenizer
-    defaults = type("Defaults", (), {"max_new_tokens": 4, "stop": ()})
-    items = [from_text("x = 1", "a", defaults), from_ids("3 4", "b", defaults)]
-    items.append((items[0][0].__class__([5], 4, (7,)), "c"))
+    defaults = Defaults(max_new_tokens=4, stop=())
+    items = [from_text("x = 1", "a", defaults), from_ids("3 4", "b", defaults), (Request([5], 4, (7,)), "c")]
     encoded = encode_texts(items, codec, "pkg")
     assert encoded[0][0].prompt == codec.encode("x = 1")
     assert [r.stop for r, _ in encoded] == [(0,), (0,), (7,)]  # a request's own stop stays
