@@ -92,6 +92,14 @@ class Package:
         self.path, self.manifest, self.passes, self.weights = path, manifest, passes, weights
         self.mapping, self.rank = None, None  # a parallel package's mapping, and the rank loaded
         self.joined = True  # False: a parallel rank loaded for inspection, outside its process group
+        self.tokenizer_files: dict[str, bytes] = {}  # the tokenizer's files, as load checked them
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The package's TextCodec (runtime/serving/text.py), or None when it carries no tokenizer."""
+        from b12x_toolchain.runtime.serving.text import TextCodec
+
+        return TextCodec.from_package(self)
 
     @property
     def abi_fingerprint(self) -> str:
@@ -305,6 +313,9 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
                    peer_timeout)
     package = Package(given, manifest, passes, bound)
     package.mapping, package.rank, package.joined = mapping, rank, mapping is None or join_group
+    if manifest.tokenizer is not None:
+        names = (manifest.tokenizer.file, manifest.tokenizer.config)
+        package.tokenizer_files = {name: bytes(contents[name]) for name in names if name is not None}
     return package
 
 
