@@ -83,6 +83,7 @@ class Session:
         self.weights = place_weights(package.weights, self.device, package.manifest.weights.engram_tables,
                                      engram_tables)
         self.caches, self.staging = {}, {}
+        self.memory_budget = None  # what sized the default pools (_budget_counts), when it did
         page_specs = self._page_specs()
         self.pools = self._pools(page_specs, pages, cache_bytes, buffers or {}, contiguous, memory_fraction, passes)
         self._bind(buffers or {})
@@ -186,6 +187,8 @@ class Session:
         free = free_bytes(self.device)
         other = self._other_buffer_bytes(given, passes, first)
         budget = max(int(fraction * free) - other, 0)
+        self.memory_budget = {"memory_fraction": fraction, "free_bytes": free, "other_bytes": other,
+                              "budget_bytes": budget}
         counts = {p: min(n, full[p]) for p, n in self._counts_for_bytes(budget, first, set_bytes).items()}
         if any(counts[p] < first[p].pages_per_slot for p in first):
             one = sum(first[p].pages_per_slot * set_bytes[p] for p in first)
