@@ -67,8 +67,8 @@ class Session:
                  memory_fraction: float | None = None):
         """memory_fraction: without pages or cache_bytes, the share of the device's free memory
         the page pools and the session's other buffers may take (memory.py; default 0.9 on
-        CUDA, 0.25 on CPU). capture: how each bucket's step is captured (graph_runner.py): by default CUDA
-        graphs on a CUDA device and none elsewhere; capture.RecordingCapture() runs the
+        CUDA, 0.25 on CPU). capture: how each bucket's step is captured (graph_runner.py): by
+        default CUDA graphs on a CUDA device and none elsewhere; capture.RecordingCapture() runs the
         capture path off the GPU. passes: the pass names to prepare (default: all); only
         their graphs are deserialised (package/pass_graph.py). engram_tables: where the
         Engram tables live, "device" (as every weight) or "host" (pinned CPU memory, read
@@ -144,6 +144,9 @@ class Session:
             raise ValueError("give pages or cache_bytes, not both")
         if memory_fraction is not None and (pages is not None or cache_bytes is not None):
             raise ValueError("memory_fraction sizes the pools when neither pages nor cache_bytes is given")
+        if memory_fraction is not None and contiguous:
+            raise ValueError("memory_fraction does not apply to contiguous=True: contiguous placement needs "
+                             "every slot's pages for max_seq_len")
         brought = {pool: given[name].shape[0] for pool, entries in specs.items() for name, _ in entries
                    if isinstance(given.get(name), torch.Tensor) and given[name].dim() == 2}
         if brought and pages is None and cache_bytes is None:

@@ -10,6 +10,7 @@ import torch
 
 from b12x_toolchain.runtime.session import memory
 from b12x_toolchain.runtime.session import session as session_module
+from b12x_toolchain.runtime.session.pages import PagePool
 
 SLOTS = 8
 FRACTION = 0.5
@@ -67,6 +68,7 @@ def test_a_budget_too_small_for_one_max_length_request_says_what_it_needs(fused_
     ({"memory_fraction": 0.0}, r"memory_fraction=0.0: expected a number in \(0, 1\]"),
     ({"memory_fraction": 1.5}, r"memory_fraction=1.5: expected a number in \(0, 1\]"),
     ({"memory_fraction": 0.5, "pages": 4}, "memory_fraction sizes the pools when neither pages nor cache_bytes"),
+    ({"memory_fraction": 0.5, "contiguous": True}, "memory_fraction does not apply to contiguous=True"),
 ])
 def test_memory_fraction_is_checked(fused_pkg, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -94,3 +96,19 @@ def test_large_cpu_buffers_are_zeros_committed_as_they_are_written():
     assert buffer[3, :12].tolist() == [7] * 10 + [0, 0] and not buffer[200].any()
     small = memory.zeros((4, 4), torch.float32, torch.device("cpu"))
     assert small.dtype == torch.float32 and not small.any()
+
+
+def test_a_pool_of_millions_of_pages_keeps_four_bytes_a_page_and_hands_out_the_lowest_free_id():
+    pool = PagePool("entry_pages", 3 << 20, 64, 1 << 14, 3456)
+    assert pool.refs.itemsize == 4 and len(pool.refs) == 3 << 20 and pool.stats().free == 3 << 20
+    assert [pool.take() for _ in range(3)] == [0, 1, 2]
+    assert pool.take(page=6) == 6  # a placement's choice: 3, 4 and 5 stay free
+    pool.release(1)
+    assert [pool.take() for _ in range(3)] == [1, 3, 4]
+    pool.retain(2)
+    pool.retain(2)
+    stats = pool.stats()
+    assert (stats.in_use, stats.free, stats.shared) == (6, (3 << 20) - 6, 1)
+    pool.release(2)
+    pool.release(2)
+    assert pool.stats().shared == 0 and pool.take() == 5 and pool.take() == 7
