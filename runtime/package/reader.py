@@ -126,9 +126,11 @@ class Package:
 
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                compile=False, compile_cache=None, passes=None, capture=None, engram_tables="device"):
+                compile=False, compile_cache=None, passes=None, capture=None, engram_tables="device",
+                memory_fraction: float | None = None):
         """A session of `slots` request slots; `pages` (per pool, or one count for every pool)
-        or `cache_bytes` bound the paged caches (default: every slot can reach max_seq_len);
+        or `cache_bytes` bound the paged caches (default: what `memory_fraction` of the device's
+        free memory holds, 0.9 on CUDA and 0.25 on CPU, at most every slot at max_seq_len);
         `contiguous` keeps each slot's pages in one run (Session); `compile` (True, or pass
         names) replays those passes through Inductor, compiled on this machine on first use
         and cached under `compile_cache` (session/compiled.py). `passes` (names) prepares only
@@ -147,7 +149,7 @@ class Package:
                                "load it with load(path, weights=CHECKPOINT_DIR)")
         return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers, pages=pages,
                        cache_bytes=cache_bytes, contiguous=contiguous, compile=compile, compile_cache=compile_cache,
-                       passes=passes, capture=capture, engram_tables=engram_tables)
+                       passes=passes, capture=capture, engram_tables=engram_tables, memory_fraction=memory_fraction)
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
