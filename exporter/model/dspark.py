@@ -27,23 +27,42 @@ class DSparkDrafter(DraftStages):
         return [BufferSpec(names.output("confidence"), "output", "float32", ("rows", self.d.draft_width))]
 
     def context(self, w, io, caches, row_ids, tokens, pos, streams, taps):
-        d = self.d
         main = self.c.angles(pos)
-        hidden = torch.cat([taps[i].mean(dim=-2) for i in d.target_layer_ids], dim=-1)
+        for s, kv in enumerate(self.context_keys(w, main, self.main_hidden(taps))):
+            io.rows(names.local("draft_context_staging", names.stage(s)), names.window(names.stage(s)), kv,
+                    self.d.window_format, last_only=False)
+
+    def main_hidden(self, taps) -> torch.Tensor:
+        """[R, T, len(target_layer_ids) * D]: each target layer's streams, averaged, side by side."""
+        return torch.cat([taps[i].mean(dim=-2) for i in self.d.target_layer_ids], dim=-1)
+
+    def context_keys(self, w, main, hidden):
+        """Each stage's window rows [R, T, D], stage by stage (a generator: a pass stages each
+        before computing the next), at target positions whose main RoPE is `main`, from their
+        `main_hidden`."""
+        d = self.d
         main_x = rms_norm(self.c.linear(w, "dspark.main_proj.weight", hidden), w["dspark.main_norm.weight"], d.eps)
         for s in range(d.draft_stages):
             p = f"mtp.{s}."
             x = rms_norm(main_x, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
-            kv = rope(rms_norm(self.c.linear(w, a + "kv_proj.weight", x), w[a + "kv_norm.weight"], d.eps), main)
-            owner = names.stage(s)
-            io.rows(names.local("draft_context_staging", owner), names.window(owner), kv, d.window_format,
-                    last_only=False)
+            yield rope(rms_norm(self.c.linear(w, a + "kv_proj.weight", x), w[a + "kv_norm.weight"], d.eps), main)
 
     def draft(self, w, caches, staging, inputs):
-        d, c = self.d, self.c
+        d = self.d
         row_ids, positions, tokens = names.row_inputs(inputs, "slot_ids", "positions", "token_ids")
         io = StagedIO(d, caches, staging, row_ids, positions, "draft", {})
+        logits, confidence = self.block(w, io, positions, tokens)
+        rows, prev = [], tokens[:, 0]
+        for j in range(d.draft_width):
+            rows.append(logits[:, j] + self.markov_bias(w, prev))
+            prev = rows[-1].argmax(dim=-1)
+        return {names.output("logits"): torch.stack(rows, dim=1), names.output("confidence"): confidence}
+
+    def block(self, w, io, positions, tokens):
+        """The stages over the block `tokens` [R, W] from `positions`, non-causal inside it:
+        (logits [R, W, V] before the Markov bias, confidence [R, W])."""
+        d, c = self.d, self.c
         pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
         main = c.angles(pos).with_views()
         x = c.embed(w, tokens)
@@ -54,12 +73,9 @@ class DSparkDrafter(DraftStages):
                 return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(names.stage(s), kv), visible)
             streams = c.ffn(w, f"mtp.{s}.", c.run_stage(s, w, io, streams, attention), tokens, d.draft_moe)
         logits, h = c.logits(w, "dspark.", streams)
-        linear = c.linear
-        confidence = torch.sigmoid(linear(w, "dspark.confidence.weight", h, w["dspark.confidence.bias"]))[..., 0]
-        rows, prev = [], tokens[:, 0]
-        for j in range(d.draft_width):
-            markov = as_float32(F.embedding(prev.long(), w["dspark.markov.embed"]))
-            bias = linear(w, "dspark.markov.out.weight", markov)
-            rows.append(logits[:, j] + bias)
-            prev = rows[-1].argmax(dim=-1)
-        return {names.output("logits"): torch.stack(rows, dim=1), names.output("confidence"): confidence}
+        confidence = torch.sigmoid(c.linear(w, "dspark.confidence.weight", h, w["dspark.confidence.bias"]))[..., 0]
+        return logits, confidence
+
+    def markov_bias(self, w, prev: torch.Tensor) -> torch.Tensor:
+        """The low-rank bias [R, V] a row's logits get from the token picked before it."""
+        return self.c.linear(w, "dspark.markov.out.weight", as_float32(F.embedding(prev.long(), w["dspark.markov.embed"])))
