@@ -68,22 +68,6 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
     click.echo(f"{check_path}: re-export is byte-identical")  # one unwrapped line for CI logs
 
 
-def _checkpoint_weights(directory, recipe):
-    """(weights, source, tokenizer or None) from a Hugging Face checkpoint; a CheckpointError
-    names the directory."""
-    from b12x_toolchain.exporter.hf.checkpoint import checkpoint_source, load_hf_checkpoint
-    from b12x_toolchain.exporter.hf.tokenizer_files import checkpoint_tokenizer
-    from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.runtime.package.checkpoint import CheckpointError
-
-    d = Dims.from_recipe(recipe)
-    try:
-        tokenizer = checkpoint_tokenizer(directory, d.vocab)  # before the weights: a bad one fails in a moment
-        return load_hf_checkpoint(directory, d), checkpoint_source(directory), tokenizer
-    except CheckpointError as exc:
-        raise CheckpointError(f"checkpoint {directory}: {exc}") from None
-
-
 def _load(recipe_source):
     """The recipe `--recipe` names; a missing NAME.yaml that is a bundled name loads that recipe, saying so."""
     from b12x_toolchain.exporter.recipe.loader import bundled_fallback, load_recipe
@@ -168,6 +152,7 @@ def _structural_for_size(recipe, weights_mode, max_weight_bytes) -> bool:
 def export(recipe_source, out_dir, no_fuse, weights_mode, max_weight_bytes, weights_index, checkpoint_dir, check_path,
            dump_passes, jobs):
     """Capture every pass of a recipe, rewrite it and write a package."""
+    from b12x_toolchain.exporter.hf.tokenizer_files import checkpoint_export_inputs
     from b12x_toolchain.exporter.pipeline.export import ExportError, export_package
     from b12x_toolchain.exporter.recipe.loader import RecipeError
     from b12x_toolchain.runtime.package.checkpoint import CheckpointError
@@ -187,7 +172,7 @@ def export(recipe_source, out_dir, no_fuse, weights_mode, max_weight_bytes, weig
         structural = weights_mode == "none" or (
             checkpoint_dir is None and _structural_for_size(recipe, weights_mode, max_weight_bytes))
         checksums = _checksums(weights_index, recipe) if weights_index is not None else None
-        weights, source, tokenizer = _checkpoint_weights(checkpoint_dir, recipe) if checkpoint_dir is not None \
+        weights, source, tokenizer = checkpoint_export_inputs(checkpoint_dir, recipe) if checkpoint_dir is not None \
             else (None, None, None)
     except (RecipeError, CheckpointError) as exc:
         fail(str(exc))

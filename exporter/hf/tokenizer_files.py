@@ -55,3 +55,17 @@ def checkpoint_tokenizer(directory, vocab_size: int) -> PackageTokenizer | None:
     facts = TokenizerFacts(names[TOKENIZER_FILE], names[CONFIG_FILE] if config is not None else None, codec.eos_id,
                            codec.pad_id, codec.chat_template is not None)
     return PackageTokenizer(files, facts)
+
+
+def checkpoint_export_inputs(directory, recipe) -> tuple[dict, str, PackageTokenizer | None]:
+    """(weights, source, tokenizer or None): what `export --checkpoint DIR` exports from a
+    Hugging Face or release-layout checkpoint; a CheckpointError names the directory."""
+    from b12x_toolchain.exporter.hf.checkpoint import checkpoint_source, load_hf_checkpoint
+    from b12x_toolchain.exporter.recipe.dims import Dims
+
+    d = Dims.from_recipe(recipe)
+    try:
+        tokenizer = checkpoint_tokenizer(directory, d.vocab)  # before the weights: a bad one fails in a moment
+        return load_hf_checkpoint(directory, d), checkpoint_source(directory), tokenizer
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {directory}: {exc}") from None
