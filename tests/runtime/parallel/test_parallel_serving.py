@@ -27,7 +27,8 @@ from ranks import on_ranks
 
 pytestmark = [pytest.mark.slow(minutes=8), pytest.mark.usefixtures("one_torch_thread")]
 
-LENGTH, PROMPTS = 300, [40, 77]  # teacher-forced: > 40 verify/commit steps past both prompts
+# Teacher-forced: > 40 positions past both prompts, and past the 128-row window ring's first wrap.
+LENGTH, PROMPTS = 176, [40, 77]
 NEW_TOKENS = 12
 MAPPINGS = {"tensor2": {"tensor": 2}, "expert2": {"expert": 2}, "tensor2-expert2": {"tensor": 2, "expert": 2}}
 
