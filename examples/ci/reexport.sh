@@ -14,7 +14,7 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 B12X="${B12X:-b12x}"
-RECIPES="${RECIPES:-dsv4-tiny dsv41-tiny dsv41}"
+RECIPES="${RECIPES:-dsv4-tiny dsv41-tiny dsv41-mini dsv41}"
 OUT="${OUT:-out/ci}"
 JOBS="${JOBS:-2}"
 FINGERPRINTS="${FINGERPRINTS:-$HERE/fingerprints}"

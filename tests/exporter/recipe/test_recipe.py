@@ -30,10 +30,10 @@ RECIPES_DIR = RECIPES
 # --- bundled recipes ----------------------------------------------------------------
 
 def test_bundled_names():
-    assert bundled_recipes() == ["dsv4-tiny", "dsv41", "dsv41-tiny"]
+    assert bundled_recipes() == ["dsv4-tiny", "dsv41", "dsv41-mini", "dsv41-tiny"]
 
 
-@pytest.mark.parametrize("name", ["dsv4-tiny", "dsv41", "dsv41-tiny"])
+@pytest.mark.parametrize("name", ["dsv4-tiny", "dsv41", "dsv41-mini", "dsv41-tiny"])
 def test_bundled_recipe_loads_by_name_and_by_path(name):
     by_name = load_recipe(name)
     path = RECIPES_DIR / f"{name}.yaml"
