@@ -30,7 +30,7 @@ from b12x_toolchain.exporter.cli.common import fail
               help="Keep prompt snapshots here (L2, survives restarts) and in memory (L1).")
 @click.option("--prefix-cache-bytes", type=click.IntRange(min=1),
               help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
-@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait for a slot; more are answered 503 with Retry-After.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1),
               help="Largest request body; larger ones are answered 413.")

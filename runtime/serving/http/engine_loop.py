@@ -7,7 +7,7 @@ before the next step), then steps and hands every request its new tokens. So req
 join and leave the running batch at every step.
 
 The queue is bounded: when `max_queue` requests already wait for a slot, `submit`
-refuses with 503 and Retry-After. `drain()` stops admitting (503); `stop()` cancels what
+refuses with 503 and Retry-After (0 admits only requests that find a free slot). `drain()` stops admitting (503); `stop()` cancels what
 still runs and ends the thread.
 """
 
@@ -66,6 +66,7 @@ class EngineLoop:
         self._cancels: list[tuple[str, str]] = []
         self._tracked: dict[str, _Tracked] = {}
         self._waiting = 0  # requests the engine holds without a slot, as of the last step
+        self._free = len(engine.free)  # free slots, as of the last step
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="b12x-engine-loop", daemon=True)
 
@@ -79,7 +80,9 @@ class EngineLoop:
             if not self.admitting or self.failure is not None:
                 raise APIError(503, "the server is shutting down and admits no new requests", "server_error",
                                code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
-            if len(self._inbox) + self._waiting >= self.max_queue:
+            # Requests handed over but not yet taken may still find a free slot: they count as waiting
+            # only beyond the slots that were free.
+            if max(0, len(self._inbox) + 1 - self._free) + self._waiting > self.max_queue:
                 raise APIError(503, f"the request queue is full ({self.max_queue} requests wait for a slot); "
                                "retry later", "server_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -193,7 +196,7 @@ class EngineLoop:
 
     def _publish(self) -> None:
         with self._lock:
-            self._waiting = len(self.engine.waiting)
+            self._waiting, self._free = len(self.engine.waiting), len(self.engine.free)
         self.metrics.queue_depth.set(len(self.engine.waiting))
         self.metrics.running.set(len(self.engine.active))
         self.metrics.record_pages(self.engine.session.pages.stats()["pools"])

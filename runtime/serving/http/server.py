@@ -46,15 +46,12 @@ class Server:
                  log_level: str = "warning"):
         self.service, self.grace_seconds = service, grace_seconds
         self.socket = bind(host, port)
+        self.address: tuple[str, int] = self.socket.getsockname()[:2]  # the port bound, when 0 was asked
         config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=CLOSE_CONNECTIONS_S)
         self.uvicorn = _Uvicorn(config, self._exit)
         self._draining = False
         self._thread: threading.Thread | None = None
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.socket.getsockname()[:2]
 
     @property
     def url(self) -> str:
@@ -80,8 +77,9 @@ class Server:
         return self
 
     def shutdown(self, wait: bool = True) -> None:
-        """What SIGTERM does."""
-        self.uvicorn.handle_exit(None, None)
+        """What SIGTERM does (nothing more once the server has stopped)."""
+        if not self._draining:
+            self.uvicorn.handle_exit(None, None)
         if wait and self._thread is not None:
             self._thread.join()
 
