@@ -18,11 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from b12x_toolchain.runtime.serving.http.codec import TextStream
 from b12x_toolchain.runtime.serving.http.engine_loop import Ticket, Update
 from b12x_toolchain.runtime.serving.http.errors import APIError, bad_request
 from b12x_toolchain.runtime.serving.http.protocol import Generation, parse
 from b12x_toolchain.runtime.serving.http.responses import Shaper, sse, usage
-from b12x_toolchain.runtime.serving.http.text import TextStream
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -144,6 +144,7 @@ def create_app(service) -> FastAPI:
     async def collect(request: Request, ticket: Ticket, shaper: Shaper, text: TextStream | None):
         pieces, ids = [], []
         while True:
+            stopped = text is not None and text.stopped  # ids after a stop string's update are not the answer's
             try:
                 update, piece = await asyncio.wait_for(next_update(ticket, text), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
@@ -152,7 +153,7 @@ def create_app(service) -> FastAPI:
                     return Response(status_code=499)  # nobody reads it: the client is gone
                 continue
             pieces.append(piece)
-            ids += update.tokens
+            ids += [] if stopped else update.tokens
             if update.finish_reason is not None:
                 break
         use = usage(update.prompt_tokens, update.completion_tokens, update.cached_tokens)

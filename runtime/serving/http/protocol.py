@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from b12x_toolchain.runtime.serving.http.codec import encode_chat
 from b12x_toolchain.runtime.serving.http.errors import bad_request, no_tokenizer
 from b12x_toolchain.runtime.serving.requests import Request
 
@@ -98,7 +99,10 @@ def _chat_ids(messages, codec) -> list[int]:
             raise bad_request("each message needs a string role and a string content", "messages")
     if codec is None:
         raise no_tokenizer("messages")
-    return codec.encode(codec.apply_chat_template(messages))
+    try:
+        return encode_chat(codec, messages)
+    except ValueError as exc:  # no chat template, or the template refused the conversation
+        raise bad_request(str(exc), "messages", "chat_template") from None
 
 
 def _stop(value, codec, limits: Limits) -> tuple[list[int], list[str]]:

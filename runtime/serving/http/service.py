@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from b12x_toolchain.runtime.serving.http.codec import load_codec
 from b12x_toolchain.runtime.serving.http.engine_loop import EngineLoop
 from b12x_toolchain.runtime.serving.http.metrics import ServerMetrics
 from b12x_toolchain.runtime.serving.http.protocol import Limits
-from b12x_toolchain.runtime.serving.http.text import load_codec
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 

@@ -6,6 +6,7 @@ the last test restarts it on the same L2 directory.
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -190,6 +191,43 @@ def test_disconnect_frees_the_slot_and_a_full_queue_gives_503(server):
                           f"instead of {baseline}"
     assert metric(samples, "b12x_requests_total", outcome="cancelled") == slots
     assert api.completions.create(model=MODEL, prompt=[4, 4], max_tokens=1).choices[0].token_ids
+
+
+@pytest.fixture
+def with_text(server):
+    """The module's server with a small trained tokenizer, as if its package carried one."""
+    from b12x_toolchain.exporter.train.tokenizer import tokenizer_config, train_tokenizer
+    from b12x_toolchain.runtime.serving.text import TextCodec
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 20, "café: 中文 and 🙂 naïve\n"], vocab_size=300)
+    codec = TextCodec.from_files(tokenizer.to_str().encode(), json.dumps(tokenizer_config()).encode())
+    before, server.service.codec = server.service.codec, codec
+    yield codec
+    server.service.codec = before
+
+
+def test_text_prompts_chat_and_stop_strings(server, with_text):
+    api, codec = client(server), with_text
+    prompt = "def f(x):\n    return"
+    whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
+    assert whole.usage.prompt_tokens == len(codec.encode(prompt))
+    text = whole.choices[0].text
+    streamed = "".join(c.choices[0].text for c in api.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                                          stream=True))
+    assert streamed == text and len(text) >= 4, text
+    stop = text[2:4]
+    cut = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    cut = "".join(c.choices[0].text for c in api.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                                     stop=stop, stream=True))
+    assert cut == text[: text.index(stop)]
+    messages = [{"role": "user", "content": "print the squares"}]
+    chat = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+    assert isinstance(chat.choices[0].message.content, str) and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(codec.encode(codec.apply_chat_template(messages)))
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
 
 
 def test_restart_hits_the_l2_prefix_cache(server, fused_path, l2_dir):
