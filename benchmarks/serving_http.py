@@ -37,7 +37,7 @@ REQUESTS = 16
 PROMPT_TOKENS = 32
 NEW_TOKENS = 8
 CONCURRENCY = (1, 4, 16)
-MAX_ROUNDS = 3  # a round serves the whole set twice; bounded whatever --repeat asks
+MAX_ROUNDS = 5  # a round serves the whole set twice; bounded whatever --repeat asks
 SEED = 0
 
 

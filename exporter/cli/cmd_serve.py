@@ -62,7 +62,7 @@ def serve(package, host, port, model_name, api_key, slots, pages, cache_bytes, g
                            max_queue=max_queue, api_key=api_key or None, max_body_bytes=max_body_bytes)
     try:
         service = Service(options)
-    except (PackageError, ValueError, OSError) as exc:
+    except (PackageError, ValueError, OSError, RuntimeError) as exc:  # RuntimeError: torch's, for a bad --device
         fail(str(exc))
     try:
         server = Server(service, host, port, grace_seconds, log_level)
