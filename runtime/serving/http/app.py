@@ -122,7 +122,11 @@ def create_app(service) -> FastAPI:
         shaper = Shaper(request_id, service.model_name, chat)
         text = TextStream(service.codec, generation.stop_strings) if generation.text else None
         if generation.stream:
-            return StreamingResponse(stream(generation, ticket, shaper, text), media_type="text/event-stream",
+            # The status line waits for the first tokens, so a request the engine refuses gets its code.
+            first = await watched_update(request, ticket, text)
+            if first is None:
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            return StreamingResponse(stream(generation, ticket, shaper, text, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await collect(request, ticket, shaper, text)
 
@@ -141,17 +145,24 @@ def create_app(service) -> FastAPI:
     def finish_reason(update: Update, text: TextStream | None) -> str:
         return "stop" if text is not None and text.stopped else update.finish_reason
 
+    async def watched_update(request: Request, ticket: Ticket, text: TextStream | None):
+        """next_update, watching the client meanwhile: None, its request cancelled, once it has gone."""
+        while True:
+            try:
+                return await asyncio.wait_for(next_update(ticket, text), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    service.loop.cancel(ticket.id)
+                    return None
+
     async def collect(request: Request, ticket: Ticket, shaper: Shaper, text: TextStream | None):
         pieces, ids = [], []
         while True:
             stopped = text is not None and text.stopped  # ids after a stop string's update are not the answer's
-            try:
-                update, piece = await asyncio.wait_for(next_update(ticket, text), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    service.loop.cancel(ticket.id)
-                    return Response(status_code=499)  # nobody reads it: the client is gone
-                continue
+            got = await watched_update(request, ticket, text)
+            if got is None:
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            update, piece = got
             pieces.append(piece)
             ids += [] if stopped else update.tokens
             if update.finish_reason is not None:
@@ -159,27 +170,27 @@ def create_app(service) -> FastAPI:
         use = usage(update.prompt_tokens, update.completion_tokens, update.cached_tokens)
         return shaper.response("".join(pieces), ids, finish_reason(update, text), use)
 
-    async def stream(generation: Generation, ticket: Ticket, shaper: Shaper, text: TextStream | None):
-        finished = False
+    async def stream(generation: Generation, ticket: Ticket, shaper: Shaper, text: TextStream | None, first):
+        finished, opening = False, True
+        update, piece = first
         try:
-            first = True
             while True:
-                try:
-                    update, piece = await next_update(ticket, text)
-                except APIError as error:
-                    metrics.refused.labels(str(error.status)).inc()
-                    yield sse(error.body())
-                    finished = True
-                    break
-                if update.tokens or piece or first:
-                    yield sse(shaper.chunk(piece, update.tokens, role=first))
-                    first = False
+                if update.tokens or piece or opening:
+                    yield sse(shaper.chunk(piece, update.tokens, role=opening))
+                    opening = False
                 if update.finish_reason is not None:
                     finished = True
                     yield sse(shaper.chunk("", [], finish_reason(update, text)))
                     if generation.include_usage:
                         yield sse(shaper.usage_chunk(usage(update.prompt_tokens, update.completion_tokens,
                                                            update.cached_tokens)))
+                    break
+                try:
+                    update, piece = await next_update(ticket, text)
+                except APIError as error:  # the engine failed mid-stream, long after the status line
+                    metrics.refused.labels(str(error.status)).inc()
+                    finished = True
+                    yield sse(error.body())
                     break
             yield sse("[DONE]")
         finally:

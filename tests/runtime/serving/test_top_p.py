@@ -30,7 +30,7 @@ def test_nucleus_keeps_the_most_likely_tokens_reaching_top_p():
 
 def test_speculative_sampling_with_top_p_follows_the_truncated_target():
     gen = torch.Generator().manual_seed(SEED)
-    vocab, width, top_p, samples = 16, 3, 0.7, 20000
+    vocab, width, top_p, samples = 16, 3, 0.7, 8000
     target_logits = torch.randn(width + 1, vocab, generator=gen)
     p = probabilities(target_logits, 1.0, top_p)
     q = probabilities(torch.randn(width, vocab, generator=gen), 1.0, top_p)
