@@ -5,9 +5,11 @@ served at concurrency 1, 4 and 16, twice per round:
 
 * baseline: the engine offline, `Engine.generate` over the same requests with at most N
   of them in slots at once (`slots=range(N)`), no HTTP;
-* candidate: a `b12x serve` server (in this process, on a loopback port, no prefix
-  cache, so repeated rounds prefill again) and N client threads, each streaming one
-  request after another through the official `openai` client.
+* candidate: a `b12x serve` process (on a loopback port, as many torch threads as this
+  process, no prefix cache, so repeated rounds prefill again) and N client threads in
+  this process, each streaming one request after another through the official `openai`
+  client. The server has a process of its own, as deployed: in this one, the clients'
+  threads would contend with the engine for the interpreter.
 
 ratio = server tokens/s over offline tokens/s (output tokens over the wall time of the
 whole set); the target is 0.9 or more. Each server row also records, from the client's
@@ -16,7 +18,12 @@ side, time to first token (p50, p99), inter-token latency (p50) and output token
 
 from __future__ import annotations
 
+import contextlib
+import re
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,9 +33,8 @@ import torch
 
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from b12x_toolchain.runtime.serving.engine import Engine
-from b12x_toolchain.runtime.serving.http.server import Server
-from b12x_toolchain.runtime.serving.http.service import ServeOptions, Service
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.serving.engine import Engine, passes_used
 from b12x_toolchain.runtime.serving.requests import Request
 from benchmarks.registry import Settings, benchmark, compare_rates
 
@@ -98,16 +104,36 @@ class Clients:
         return sum(counts) / (time.perf_counter() - start)
 
 
-def measure(package_path: Path, settings: Settings) -> list:
-    server = Server(Service(ServeOptions(str(package_path), slots=max(CONCURRENCY))), "127.0.0.1", 0).start()
+@contextlib.contextmanager
+def serve(package_path: Path):
+    """A `b12x serve` process on a free loopback port; yields its URL. SIGTERM at the end."""
+    command = [sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "serve", str(package_path), "--port", "0",
+               "--slots", str(max(CONCURRENCY)), "--threads", str(torch.get_num_threads())]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
-        session = server.service.package.session(device="cpu", slots=max(CONCURRENCY),
-                                                 passes=("prefill", "verify", "commit", "draft"))
-        prompts = request_set(server.service.limits.vocab_size)
-        rounds = Settings(repeat=min(settings.repeat, MAX_ROUNDS), warmup=min(settings.warmup, 1))
-        out = []
+        line = process.stderr.readline()
+        found = re.search(r"at (http://\S+)/v1", line)
+        if found is None:
+            raise RuntimeError(f"b12x serve did not start: {line}{process.stderr.read()}")
+        yield found.group(1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        process.stderr.close()
+
+
+def measure(package_path: Path, settings: Settings) -> list:
+    package = load(package_path)
+    session = package.session(device="cpu", slots=max(CONCURRENCY), passes=passes_used(package.passes))
+    prompts = request_set(package.vocab_size)
+    rounds = Settings(repeat=min(settings.repeat, MAX_ROUNDS), warmup=min(settings.warmup, 1))
+    out = []
+    with serve(package_path) as url:
         for count in CONCURRENCY:
-            clients = Clients(server.url, server.service.model_name)
+            clients = Clients(url, Path(package_path).name.removesuffix(".b12x"))
 
             def offline() -> float:
                 engine = Engine(session, slots=range(count))
@@ -125,9 +151,7 @@ def measure(package_path: Path, settings: Settings) -> list:
                              "itl_mean_ms": statistics.fmean(clients.itl) * 1e3 if clients.itl else 0.0,
                              "server_tokens_per_s": result.candidate, "offline_tokens_per_s": result.baseline}
             out.append(result)
-        return out
-    finally:
-        server.shutdown()
+    return out
 
 
 @benchmark("serving_http")
