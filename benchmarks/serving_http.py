@@ -41,9 +41,9 @@ from benchmarks.registry import Settings, benchmark, compare_rates
 RECIPE = "dsv41-tiny"
 REQUESTS = 16
 PROMPT_TOKENS = 32
-NEW_TOKENS = 8
+NEW_TOKENS = 24
 CONCURRENCY = (1, 4, 16)
-MAX_ROUNDS = 5  # a round serves the whole set twice; bounded whatever --repeat asks
+MAX_ROUNDS = 3  # a round serves the whole set twice; bounded whatever --repeat asks
 SEED = 0
 
 
