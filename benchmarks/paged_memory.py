@@ -17,12 +17,30 @@ Two parts, both deterministic byte counts (`compare_counts`, one value per side)
   caches, seq_len), which do not depend on the tokens held. A slot holding T tokens takes
   rings + ceil(T / tokens_per_page) pages per pool, against the contiguous slot's rings +
   pages_per_slot pages.
+
+A second benchmark, `session_memory`, measures what opening a session costs in resident
+memory. Each sample is a fresh process (`python -m benchmarks.paged_memory PACKAGE MODE
+SLOTS`): it loads the package, resets its peak-RSS mark (/proc/self/clear_refs), opens
+`package.session(slots=SLOTS)` and reports its RSS increase and peak. Modes: "default"
+(the pools a share of free memory holds, buffers committed as they are written), a number
+(the same with that memory_fraction: BUDGET_FRACTION is small enough that the 1M pools hold
+fewer pages than every slot at max_seq_len on any machine with less than 100 GiB free) and
+"zero-filled" (the session's former default: pools for every slot at max_seq_len, every
+buffer written with torch.zeros at open). The children but the zero-filled one then serve
+the 64 requests of the engine's 64-request test (their prompts and lengths; no stop tokens)
+through an Engine with the draft pass, on the 1M package with 64 slots and on the 1k
+package with 8 slots, as that test does; the tokens must be identical.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -273,3 +291,102 @@ def paged_memory_benchmark(settings: Settings) -> list:
     [package] = exported_variants((MAX_SEQ_LEN,), settings)
     result = serve(package, request_set(package.vocab_size))
     return serving_cases(result) + full_size_cases(specs)
+
+
+# -- session_memory: resident memory of opening a session -----------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "session_memory: "
+MIB = 1 << 20
+BUDGET_FRACTION = 0.05
+
+
+def engine_requests() -> list[Request]:
+    """The prompts and lengths of tests/runtime/serving/test_engine.py's 64 requests (seed 64)."""
+    gen = torch.Generator().manual_seed(64)
+    lengths = [1, 1, 129, 200] + torch.randint(1, 220, (REQUESTS - 4,), generator=gen).tolist()
+    out = []
+    for i, length in enumerate(lengths):
+        prompt = torch.randint(0, 512, (length,), generator=gen).tolist()
+        out.append(Request(prompt, int(torch.randint(1, 13, (1,), generator=gen)), id=i))
+    return out
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _open(path: str, mode: str, slots: int) -> dict:
+    """One child: open a session of `slots` in `mode`, report its memory; serve if "default"."""
+    torch.set_num_threads(1)
+    from b12x_toolchain.runtime import load
+    from b12x_toolchain.runtime.session import memory
+
+    package = load(path)
+    pages = None
+    if mode == "zero-filled":
+        memory.LAZY_BYTES = math.inf  # every buffer torch.zeros, written at open
+        pages = {name: slots * p.pages_per_slot for name, p in pool_bytes(package_cache_specs(package)).items()}
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the RSS now
+    base = _status("VmRSS")
+    fraction = None if mode in ("default", "zero-filled") else float(mode)
+    session = package.session(slots=slots, pages=pages, memory_fraction=fraction)
+    out = {"rss": _status("VmRSS") - base, "peak": _status("VmHWM") - base, "rss_after_load": base,
+           "pools": {name: pool.count for name, pool in session.pools.items()},
+           "page_bytes": {name: pool.page_bytes for name, pool in session.pools.items()},
+           "pages_per_slot": {name: pool.pages_per_slot for name, pool in session.pools.items()},
+           "memory_budget": session.memory_budget}
+    if mode != "zero-filled":
+        engine = Engine(session)
+        states = engine.generate(engine_requests())
+        out.update(tokens=[s.tokens for s in states], serving_peak=_status("VmHWM") - base,
+                   page_waits=engine.stats.as_dict().get("page_waits"))
+    return out
+
+
+def child(path: Path, mode: str, slots: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.paged_memory", str(path), mode, str(slots)], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"session_memory {path.name} {mode}: child failed ({done.returncode}):\n"
+                           f"{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+@benchmark("session_memory")
+def session_memory_benchmark(settings: Settings) -> list:
+    short, long = exported_variants((1 << 10, MAX_SEQ_LEN), settings)
+    before = child(long.path, "zero-filled", SLOTS)
+    after = child(long.path, "default", SLOTS)
+    budget = child(long.path, str(BUDGET_FRACTION), SLOTS)
+    reference = child(short.path, "default", 8)
+    for run, what in ((after, "default pools"), (budget, f"memory_fraction {BUDGET_FRACTION}")):
+        if run["tokens"] != reference["tokens"]:
+            raise RuntimeError(f"the 1M session with {what} emitted other tokens than the 1k session")
+    params = {key: after[key] for key in ("pools", "page_bytes", "pages_per_slot", "memory_budget", "page_waits")}
+    params.update(before_pools=before["pools"], rss_after_load_mib=after["rss_after_load"] / MIB,
+                  requests=REQUESTS, tokens=sum(map(len, after["tokens"])), identical_to_1k_8_slots=True)
+    label = f"{SLOTS} slots, {size_label(MAX_SEQ_LEN)}"
+    zero = "pools for every slot at max_seq_len, zero-filled at open"
+    return [
+        compare_counts("session_memory.rss", f"{label}: RSS after opening", before["rss"], after["rss"], "bytes",
+                       zero, "default pools", dict(params)),
+        compare_counts("session_memory.rss", f"{label}: peak RSS opening", before["peak"], after["peak"], "bytes",
+                       zero, "default pools", dict(params)),
+        compare_counts("session_memory.rss", f"{label}: peak RSS serving {REQUESTS} requests", before["peak"],
+                       after["serving_peak"], "bytes", f"{zero} (opening alone)", "default pools, served",
+                       dict(params)),
+        compare_counts("session_memory.pages", f"{label}: pages of memory_fraction {BUDGET_FRACTION}",
+                       sum(before["pools"].values()), sum(budget["pools"].values()), "pages",
+                       "every slot at max_seq_len", f"what memory_fraction {BUDGET_FRACTION} holds",
+                       {key: budget[key] for key in ("pools", "memory_budget", "page_waits", "rss", "serving_peak")}),
+    ]
+
+
+if __name__ == "__main__":  # one child process: python -m benchmarks.paged_memory PACKAGE MODE SLOTS
+    print(MARK + json.dumps(_open(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)

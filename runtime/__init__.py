@@ -19,6 +19,7 @@ _PUBLIC = {
     "Request": "serving.requests",
     "RequestState": "serving.requests",
     "PrefixCache": "prefix.cache",
+    "TextCodec": "serving.text",
 }
 __all__ = sorted(_PUBLIC)
 

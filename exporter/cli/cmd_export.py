@@ -69,13 +69,17 @@ def _check(check_path, recipe, weights_index, dump_passes, jobs):
 
 
 def _checkpoint_weights(directory, recipe):
-    """(weights, source) from a Hugging Face checkpoint; a CheckpointError names the directory."""
+    """(weights, source, tokenizer or None) from a Hugging Face checkpoint; a CheckpointError
+    names the directory."""
     from b12x_toolchain.exporter.hf.checkpoint import checkpoint_source, load_hf_checkpoint
+    from b12x_toolchain.exporter.hf.tokenizer_files import checkpoint_tokenizer
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 
+    d = Dims.from_recipe(recipe)
     try:
-        return load_hf_checkpoint(directory, Dims.from_recipe(recipe)), checkpoint_source(directory)
+        tokenizer = checkpoint_tokenizer(directory, d.vocab)  # before the weights: a bad one fails in a moment
+        return load_hf_checkpoint(directory, d), checkpoint_source(directory), tokenizer
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {directory}: {exc}") from None
 
@@ -151,7 +155,8 @@ def _structural_for_size(recipe, weights_mode, max_weight_bytes) -> bool:
                    "weight must be in its weight_map; its sha256 map is recorded for load to check.")
 @click.option("--checkpoint", "checkpoint_dir", type=click.Path(),
               help="Take the weights from a Hugging Face DeepSeek V4 checkpoint directory (config.json and "
-                   "safetensors shards); it must match the recipe exactly. deepseek_v4 recipes only.")
+                   "safetensors shards); it must match the recipe exactly. deepseek_v4 recipes only. Its "
+                   "tokenizer.json and tokenizer_config.json, when present, go into the package too.")
 @click.option("--check", "check_path", type=click.Path(exists=True),
               help="Re-export PKG (a package directory or its manifest.json) from what it records into a "
                    "temporary directory; fail, naming the differing files, unless byte-identical. "
@@ -182,7 +187,8 @@ def export(recipe_source, out_dir, no_fuse, weights_mode, max_weight_bytes, weig
         structural = weights_mode == "none" or (
             checkpoint_dir is None and _structural_for_size(recipe, weights_mode, max_weight_bytes))
         checksums = _checksums(weights_index, recipe) if weights_index is not None else None
-        weights, source = _checkpoint_weights(checkpoint_dir, recipe) if checkpoint_dir is not None else (None, None)
+        weights, source, tokenizer = _checkpoint_weights(checkpoint_dir, recipe) if checkpoint_dir is not None \
+            else (None, None, None)
     except (RecipeError, CheckpointError) as exc:
         fail(str(exc))
     table = Table(title=f"{recipe.name}: passes")
@@ -193,9 +199,10 @@ def export(recipe_source, out_dir, no_fuse, weights_mode, max_weight_bytes, weig
         result = export_package(recipe, Path(out_dir), fuse=not no_fuse, on_pass=progress.on_pass,
                                 structural=structural, checksums=checksums, dump_dir=dump_passes,
                                 on_capture=progress.on_capture, jobs=jobs, weights=weights,
-                                weights_source=source)
+                                weights_source=source, tokenizer=tokenizer)
     except (ExportError, ValueError) as exc:
         fail(str(exc))
     console.print(table)
     weights = "external weights" if structural else "weights stored"
-    console.print(f"wrote [bold]{result.path}[/]  abi {result.abi_fingerprint[:16]}  {weights}", highlight=False)
+    text = "  tokenizer" if tokenizer is not None else ""
+    console.print(f"wrote [bold]{result.path}[/]  abi {result.abi_fingerprint[:16]}  {weights}{text}", highlight=False)

@@ -82,6 +82,11 @@ def _summary(manifest) -> None:
         checked = sum(1 for t in tensors.values() if t.sha256)
         console.print(f"weights: external, {len(tensors)} tensors ({checked} with sha256), bound at load time",
                       highlight=False)
+    tokenizer = manifest.tokenizer
+    if tokenizer is not None:
+        template = "a chat template" if tokenizer.chat_template else "no chat template"
+        console.print(f"tokenizer: {tokenizer.file}, eos {tokenizer.eos_token_id}, pad {tokenizer.pad_token_id}, "
+                      f"{template}", highlight=False)
     files = Table(title="files")
     files.add_column("file")
     files.add_column("sha256")

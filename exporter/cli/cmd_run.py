@@ -13,14 +13,23 @@ from rich.table import Table
 
 from b12x_toolchain.exporter.cli import ranks
 from b12x_toolchain.exporter.cli.common import fail
-from b12x_toolchain.exporter.cli.run_requests import Defaults, PromptError, from_ids, parse_ids, read_prompt_file
+from b12x_toolchain.exporter.cli.run_requests import (
+    Defaults,
+    PromptError,
+    encode_texts,
+    from_ids,
+    from_text,
+    parse_ids,
+    read_prompt_file,
+)
 
 STEP_COLUMNS = ("step", "rows", "padding_rows", "drafted", "accepted", "bonus", "admitted", "retired", "slot_reuse",
                 "page_waits")
 
 
-def _requests(prompt_ids, prompt_files, defaults: Defaults) -> list:
-    items = [from_ids(text, f"--prompt-ids #{i + 1}", defaults) for i, text in enumerate(prompt_ids)]
+def _requests(prompts, prompt_ids, prompt_files, defaults: Defaults) -> list:
+    items = [from_text(text, f"--prompt #{i + 1}", defaults) for i, text in enumerate(prompts)]
+    items += [from_ids(text, f"--prompt-ids #{i + 1}", defaults) for i, text in enumerate(prompt_ids)]
     for path in prompt_files:
         items += read_prompt_file(Path(path), defaults)
     return items
@@ -68,14 +77,17 @@ def _steps_table(steps: list[dict]) -> Table:
 
 @click.command()
 @click.argument("package", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", "prompts", multiple=True,
+              help="A prompt as text, encoded with the package's tokenizer; repeat for more prompts.")
 @click.option("--prompt-ids", multiple=True, help="A prompt's token ids, comma or space separated; repeat for more prompts.")
 @click.option("--prompts", "prompt_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="A file with one prompt per line: token ids, or JSON (a list of ids, or an object with "
-                   "prompt, max_new_tokens, stop, id, seed). Repeatable.")
+                   "prompt (ids or text), max_new_tokens, stop, id, seed). Repeatable.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1),
               help="New tokens per request, unless its JSON line sets its own.")
 @click.option("--stop", "stop_ids", multiple=True,
-              help="Stop token ids (comma separated, repeatable) for requests that set none of their own.")
+              help="Stop token ids (comma separated, repeatable) for requests that set none of their own "
+                   "[default: the tokenizer's end of text, when the package has a tokenizer].")
 @click.option("--greedy", is_flag=True, help="Plain greedy decoding, one token per step, instead of speculative decoding.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="0 decodes greedily; above 0 samples (speculative sampling keeps the target's distribution).")
@@ -87,6 +99,7 @@ def _steps_table(steps: list[dict]) -> Table:
 @click.option("--cache-bytes", type=click.IntRange(min=1),
               help="Byte budget of the paged caches, split so every pool holds the same tokens (instead of --pages).")
 @click.option("--show-steps", is_flag=True, help="Also print every step's statistics.")
+@click.option("--show-ids", is_flag=True, help="Also print the generated token ids when the package has a tokenizer.")
 @click.option("--threads", type=click.IntRange(min=1),
               help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine.")
 @click.option("--prefix-cache-dir", type=click.Path(file_okay=False),
@@ -107,8 +120,8 @@ def _steps_table(steps: list[dict]) -> Table:
 @click.option("--compile", "compiled", is_flag=True,
               help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
                    "(half a minute to minutes per pass graph; cached locally, keyed by package, device and torch).")
-def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
-        cache_bytes, show_steps, threads, prefix_cache_dir, prefix_cache_bytes, nproc, nnodes, node_rank,
+def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
+        cache_bytes, show_steps, show_ids, threads, prefix_cache_dir, prefix_cache_bytes, nproc, nnodes, node_rank,
         rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port, compiled):
     """Serve prompts from a package on CPU: many requests over reused slots, with a final report.
     A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
@@ -118,15 +131,15 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
     from b12x_toolchain.runtime.serving.requests import check_request
     from b12x_toolchain.runtime.session.validate import InputError
 
-    if not prompt_ids and not prompt_files:
-        raise click.UsageError("give at least one prompt: --prompt-ids or --prompts")
+    if not prompts and not prompt_ids and not prompt_files:
+        raise click.UsageError("give at least one prompt: --prompt, --prompt-ids or --prompts")
     if greedy and temperature > 0:
         raise click.UsageError("--greedy decodes greedily; it cannot be combined with --temperature above 0")
     if pages is not None and cache_bytes is not None:
         raise click.UsageError("--pages and --cache-bytes both size the paged caches; give one of them")
     try:
         stop = tuple(t for text in stop_ids for t in parse_ids(text))
-        items = _requests(prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
+        items = _requests(prompts, prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
     except PromptError as exc:
         raise click.BadParameter(str(exc)) from None
     rank = ranks.launched_rank()
@@ -145,6 +158,8 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
             loaded = load(package)
         else:
             loaded = load(package, rank=ranks.join_group(), peer_timeout=ranks.PEER_TIMEOUT)
+        codec = loaded.tokenizer
+        items = encode_texts(items, codec, package)
         model = loaded.manifest.model
         for request, origin in items:  # before any replay, naming the line to fix
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
@@ -182,7 +197,11 @@ def run(package, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, tem
     if rank not in (None, 0):
         return  # every rank decoded the same tokens; rank 0 reports them
     for state in states:
-        click.echo(f"request {state.id} tokens: " + " ".join(map(str, state.tokens)))
+        if codec is None or show_ids:
+            click.echo(f"request {state.id} tokens: " + " ".join(map(str, state.tokens)))
+        if codec is not None:  # the stop token ended the request; it is not part of the text
+            shown = state.tokens[:-1] if state.finish_reason == "stop" else state.tokens
+            click.echo(f"request {state.id} text: {codec.decode(shown)}")
     # Piped output would otherwise be cut at 80 columns, squeezing the tables' headers.
     console = Console(width=None if sys.stdout.isatty() else 160)
     if show_steps:

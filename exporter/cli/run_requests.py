@@ -1,14 +1,19 @@
-"""Prompts for `b12x run`: token-id strings and prompt files, as runtime Requests.
+"""Prompts for `b12x run`: texts, token-id strings and prompt files, as runtime Requests.
 
 A prompt file holds one prompt per line, either as token ids (comma or space
-separated) or as JSON: a list of ids, or an object with `prompt` and optionally
-`max_new_tokens`, `stop`, `id` and `seed`. Blank lines and lines starting with `#` are
-skipped. Each request remembers where it came from (`file:line`), so an error about it
-points at the line to fix.
+separated) or as JSON: a list of ids, or an object with `prompt` (a list of ids, or a
+text) and optionally `max_new_tokens`, `stop`, `id` and `seed`. Blank lines and lines
+starting with `#` are skipped. Each request remembers where it came from (`file:line`),
+so an error about it points at the line to fix.
+
+A text prompt stays text until the package is loaded: `encode_texts` encodes it with the
+package's tokenizer, whose end-of-text token becomes the stop of every request that sets
+no stop of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,28 @@ def parse_ids(text: str) -> list[int]:
 
 def from_ids(text: str, origin: str, defaults: Defaults) -> tuple[Request, str]:
     return Request(parse_ids(text), defaults.max_new_tokens, defaults.stop), origin
+
+
+def from_text(text: str, origin: str, defaults: Defaults) -> tuple[Request, str]:
+    return Request(text, defaults.max_new_tokens, defaults.stop), origin
+
+
+def encode_texts(items: list[tuple[Request, str]], codec, package: str) -> list[tuple[Request, str]]:
+    """`items` with every text prompt encoded by `codec` (the package's TextCodec, or None when
+    it has no tokenizer), and the codec's eos as the stop of requests that set none."""
+    texts = [origin for request, origin in items if isinstance(request.prompt, str)]
+    if texts and codec is None:
+        raise PromptError(f"{package}: the package has no tokenizer, so {texts[0]} cannot be a text prompt; give "
+                          "token ids (--prompt-ids), or export it from a checkpoint that has a tokenizer.json")
+    out = []
+    for request, origin in items:
+        changes = {}
+        if isinstance(request.prompt, str):
+            changes["prompt"] = codec.encode(request.prompt)
+        if codec is not None and codec.eos_id is not None and not request.stop:
+            changes["stop"] = (codec.eos_id,)
+        out.append((dataclasses.replace(request, **changes), origin))
+    return out
 
 
 def _from_json(value, origin: str, defaults: Defaults) -> Request:

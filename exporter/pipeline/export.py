@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -11,13 +12,14 @@ import torch
 
 import b12x_toolchain
 from b12x_toolchain.exporter.errors import ExportError  # noqa: F401  (re-exported)
+from b12x_toolchain.exporter.hf.tokenizer_files import PackageTokenizer
 from b12x_toolchain.exporter.model.parallel import engram_tables
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weight_roles import role_of
 from b12x_toolchain.exporter.model.weights import init_weights, weight_formats
 from b12x_toolchain.exporter.pipeline.package_writer import weights_bytes, write_package
 from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, pass_label, run_jobs
-from b12x_toolchain.exporter.pipeline.rank_files import RankFiles
+from b12x_toolchain.exporter.pipeline.rank_files import TOKENIZER_FORMAT, RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.passes.kit import PassResult
@@ -94,6 +96,16 @@ def buffer_table(conventions: list[list]) -> dict[str, BufferInfo]:
     return {name: table[name] for name in sorted(table)}
 
 
+def with_tokenizer(manifest: Manifest, files: dict[str, bytes], tokenizer: PackageTokenizer | None
+                   ) -> tuple[Manifest, dict[str, bytes]]:
+    """The manifest and files of a package carrying `tokenizer` (its files, its section, format
+    4.4); without one, both as they were, so such a package's bytes do not change."""
+    if tokenizer is None:
+        return manifest, files
+    return (dataclasses.replace(manifest, format_version=TOKENIZER_FORMAT, tokenizer=tokenizer.facts),
+            {**files, **tokenizer.files})
+
+
 def check_computable_formats(d: Dims) -> None:
     """Block-scaled routed experts are computed by the op set's FP4 expert linear; no op takes
     FP8 experts yet, so a recipe giving them fp8_e4m3 is refused by role."""
@@ -108,7 +120,8 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
                    on_pass: Callable[[str, list[PassResult]], None] | None = None, *,
                    structural: bool = False, checksums: dict[str, str] | None = None,
                    dump_dir: Path | None = None, on_capture: Callable[[str], None] | None = None,
-                   jobs: int = 1, weights_source: str | None = None) -> ExportResult:
+                   jobs: int = 1, weights_source: str | None = None,
+                   tokenizer: PackageTokenizer | None = None) -> ExportResult:
     """Export `recipe` as OUT_DIR/NAME.b12x.
 
     structural: no weights in the package (they are bound from a checkpoint at load
@@ -118,6 +131,8 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
     (the bytes do not depend on it). on_capture(pass) runs when a pass starts,
     on_pass(pass, records) when its rewrites are done. weights_source: where supplied
     `weights` came from, recorded in the manifest (e.g. the checkpoint they were read from).
+    tokenizer: a checkpoint's tokenizer (hf/tokenizer_files.py), carried as files with its
+    manifest section, which needs format 4.4; without one the package is written as before.
     """
     d = Dims.from_recipe(recipe)
     check_computable_formats(d)
@@ -172,6 +187,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
         cache_formats=cache_formats, abi_fingerprint=abi_fingerprint(passes, buffers, cache_formats, weights_entry),
         rewrites=Rewrites(tuple(pipeline), results), weights=weights_entry, versions=tool_versions(),
         parallel=ranks.mapping(outputs, recipe.pass_names, structural) if ranks.parallel else None)
+    manifest, files = with_tokenizer(manifest, files, tokenizer)
     path = write_package(Path(out_dir) / f"{recipe.name}.b12x", files, manifest)
     return ExportResult(path, manifest.abi_fingerprint, all_records, {n: o.seconds for n, o in outputs.items()},
                         {n: o.cpu_seconds for n, o in outputs.items()}, {n: o.peak_rss_bytes for n, o in outputs.items()})

@@ -19,6 +19,7 @@ from b12x_toolchain.exporter.pipeline.pass_export import pass_label
 from b12x_toolchain.runtime.parallel.mapping import Mapping, RankEntry
 
 SINGLE_DEVICE_FORMAT, PARALLEL_FORMAT, WEIGHT_FORMATS_FORMAT, ENGRAM_FORMAT = "4.0", "4.1", "4.2", "4.3"
+TOKENIZER_FORMAT = "4.4"  # a package that carries a tokenizer (export.py), whatever else it holds
 
 
 class RankFiles:

@@ -27,6 +27,7 @@ from b12x_toolchain.runtime.package.manifest_sections import (  # noqa: F401
     ModelFacts,
     RewriteResult,
     Rewrites,
+    TokenizerFacts,
     Weights,
     WeightTensor,  # (re-exported: the sections)
     check_engram_tables,
@@ -53,12 +54,14 @@ from b12x_toolchain.runtime.parallel.mapping import Mapping
 # token_history cache and staging kinds, op set 6's engram_hash and engram_lookup, the
 # tables listed (`weights.engram_tables`) and, under tensor parallelism, split by hash head
 # (a split's `ranges`: runtime/parallel/mapping.py); a package without Engram is written as before.
-FORMAT_VERSION = "4.3"
+# 4.4 adds the tokenizer a package may carry (`tokenizer`: its files, eos and pad ids, chat
+# template or not); a package without one is written as before.
+FORMAT_VERSION = "4.4"
 REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)"
 
 FIELDS = ("format_version", "opset_version", "name", "recipe", "recipe_sha256", "model", "passes", "buffers",
           "cache_formats", "abi_fingerprint", "rewrites", "weights", "versions", "files", "manifest_sha256")
-OPTIONAL = ("parallel",)  # a package for one device has none
+OPTIONAL = ("parallel", "tokenizer")  # a package for one device has no parallel; one without text no tokenizer
 
 
 def digest(data: dict) -> str:
@@ -95,6 +98,7 @@ class Manifest:
     versions: dict[str, str]  # tool and kernel-library versions
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # every other file -> its sha256
     parallel: Mapping | None = None
+    tokenizer: TokenizerFacts | None = None
     manifest_sha256: str | None = None  # None until written: the digest of the rest
 
     def to_json(self) -> dict:
@@ -117,6 +121,8 @@ class Manifest:
         }
         if self.parallel is not None:
             out["parallel"] = self.parallel.to_json()
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer.to_json()
         if self.manifest_sha256 is not None:
             out["manifest_sha256"] = self.manifest_sha256
         return out
@@ -154,11 +160,13 @@ class Manifest:
         weight_dtypes = {s.name: s.dtype for p in passes.values() for s in p.inputs if s.role == "weight"}
         check_weight_formats(weights.formats, weight_dtypes)
         check_engram_tables(weights.engram_tables, weight_dtypes)
+        tokenizer = None if "tokenizer" not in data else \
+            TokenizerFacts.from_json(data["tokenizer"], files, model.vocab_size)
         expect_keys(data, "top level", FIELDS, OPTIONAL)  # only unknown fields are left to find
         return cls(data["format_version"], data["opset_version"], data["name"], data["recipe"],
                        data["recipe_sha256"], model, passes, buffers, dict(data["cache_formats"]),
                        data["abi_fingerprint"], rewrites, weights, dict(data["versions"]), dict(files), parallel,
-                       data["manifest_sha256"])
+                       tokenizer, data["manifest_sha256"])
 
 
 # -- the checks before typing ------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The manifest's sections besides the passes and buffers: the model's facts, the rewrites'
-results and where the weights come from, each with its `to_json` and strict `from_json`
-(manifest.py composes them). Every refusal names the field and what was expected.
+results, where the weights come from and the tokenizer a package may carry, each with its
+`to_json` and strict `from_json` (manifest.py composes them). Every refusal names the field
+and what was expected.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ WHERE = "manifest.json"
 MODEL_FIELDS = ("family", "vocab_size", "max_seq_len", "noise_token_id", "confidence_threshold")
 REWRITE_FIELDS = ("matches", "nodes_before", "nodes_after")
 ACTIVATION_RULES = ("none", "deepseek")
+TOKENIZER_FIELDS = ("file", "eos_token_id", "pad_token_id", "chat_template")
 
 
 def is_count(value) -> bool:
@@ -70,6 +72,41 @@ class ModelFacts:
                 "model.capabilities", caps, "an object of flags")
         return cls(data["family"], data["vocab_size"], data["max_seq_len"], data["noise_token_id"], threshold,
                    None if caps is None else dict(caps))
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """The tokenizer a package carries (runtime/serving/text.py reads it): its Hugging Face
+    files, the eos and pad ids their config names (None: it names none), and whether the
+    config holds a chat template. Files are listed, hashed and checked like every other."""
+
+    file: str  # tokenizer.json
+    config: str | None  # tokenizer_config.json, when the checkpoint had one
+    eos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: bool
+
+    def to_json(self) -> dict:
+        out = {f: getattr(self, f) for f in TOKENIZER_FIELDS}
+        if self.config is not None:
+            out["config"] = self.config
+        return out
+
+    @classmethod
+    def from_json(cls, data, files: dict, vocab_size: int) -> "TokenizerFacts":
+        expect(isinstance(data, dict), "tokenizer", data, "an object")
+        expect_keys(data, "tokenizer", TOKENIZER_FIELDS, ("config",))
+        config = data.get("config")
+        for field, name in (("file", data["file"]), ("config", config)):
+            if name is not None:
+                expect(isinstance(name, str) and name in files, f"tokenizer.{field}", name, "a file the package lists")
+        for field in ("eos_token_id", "pad_token_id"):
+            value = data[field]
+            expect(value is None or (is_count(value) and 0 <= value < vocab_size), f"tokenizer.{field}", value,
+                   f"null or a token id below model.vocab_size ({vocab_size})")
+        expect(isinstance(data["chat_template"], bool) and (config is not None or not data["chat_template"]),
+               "tokenizer.chat_template", data["chat_template"], "a boolean, true only with a config file")
+        return cls(data["file"], config, data["eos_token_id"], data["pad_token_id"], data["chat_template"])
 
 
 @dataclass(frozen=True)

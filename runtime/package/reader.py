@@ -92,6 +92,14 @@ class Package:
         self.path, self.manifest, self.passes, self.weights = path, manifest, passes, weights
         self.mapping, self.rank = None, None  # a parallel package's mapping, and the rank loaded
         self.joined = True  # False: a parallel rank loaded for inspection, outside its process group
+        self.tokenizer_files: dict[str, bytes] = {}  # the tokenizer's files, as load checked them
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The package's TextCodec (runtime/serving/text.py), or None when it carries no tokenizer."""
+        from b12x_toolchain.runtime.serving.text import TextCodec
+
+        return TextCodec.from_package(self)
 
     @property
     def abi_fingerprint(self) -> str:
@@ -118,9 +126,11 @@ class Package:
 
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                compile=False, compile_cache=None, passes=None, capture=None, engram_tables="device"):
+                compile=False, compile_cache=None, passes=None, capture=None, engram_tables="device",
+                memory_fraction: float | None = None):
         """A session of `slots` request slots; `pages` (per pool, or one count for every pool)
-        or `cache_bytes` bound the paged caches (default: every slot can reach max_seq_len);
+        or `cache_bytes` bound the paged caches (default: what `memory_fraction` of the device's
+        free memory holds, 0.9 on CUDA and 0.25 on CPU, at most every slot at max_seq_len);
         `contiguous` keeps each slot's pages in one run (Session); `compile` (True, or pass
         names) replays those passes through Inductor, compiled on this machine on first use
         and cached under `compile_cache` (session/compiled.py). `passes` (names) prepares only
@@ -139,7 +149,7 @@ class Package:
                                "load it with load(path, weights=CHECKPOINT_DIR)")
         return Session(self, device=device, slots=slots, max_rows=max_rows, buffers=buffers, pages=pages,
                        cache_bytes=cache_bytes, contiguous=contiguous, compile=compile, compile_cache=compile_cache,
-                       passes=passes, capture=capture, engram_tables=engram_tables)
+                       passes=passes, capture=capture, engram_tables=engram_tables, memory_fraction=memory_fraction)
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
@@ -305,6 +315,9 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
                    peer_timeout)
     package = Package(given, manifest, passes, bound)
     package.mapping, package.rank, package.joined = mapping, rank, mapping is None or join_group
+    if manifest.tokenizer is not None:
+        names = (manifest.tokenizer.file, manifest.tokenizer.config)
+        package.tokenizer_files = {name: bytes(contents[name]) for name in names if name is not None}
     return package
 
 

@@ -16,6 +16,7 @@ its context grows.
 from __future__ import annotations
 
 import heapq
+from array import array
 from dataclasses import asdict, dataclass
 
 from b12x_toolchain.runtime.errors import PagesExhausted  # noqa: F401  (re-exported)
@@ -37,16 +38,23 @@ class PoolStats:
 
 
 class PagePool:
-    """Page ids 0 .. count - 1 of one pool; the lowest free id is handed out first."""
+    """Page ids 0 .. count - 1 of one pool; the lowest free id is handed out first.
+
+    A pool may hold millions of pages (every slot at a long max_seq_len), so its bookkeeping
+    is 4 bytes a page (reference counts in an int32 array) plus the ids handed out and given
+    back since (a heap); ids from `fresh` up were never handed out, and are free.
+    """
 
     def __init__(self, name: str, count: int, tokens_per_page: int, pages_per_slot: int, page_bytes: int):
         if count < 1:
             raise ValueError(f"pool {name}: {count} pages; expected at least 1")
         self.name, self.count = name, count
         self.tokens_per_page, self.pages_per_slot, self.page_bytes = tokens_per_page, pages_per_slot, page_bytes
-        self.refs = [0] * count
-        self._free = list(range(count))
+        self.refs = array("i", bytes(4 * count))
+        self._returned: list[int] = []  # free ids below `fresh`, a heap
+        self.fresh = 0
         self.reserved = 0
+        self.shared = 0  # pages referenced more than once, counted as it changes: stats never scan refs
         self.allocated = self.copied = self.evicted = 0
 
     def pages_for(self, tokens: int) -> int:
@@ -55,36 +63,50 @@ class PagePool:
     @property
     def available(self) -> int:
         """Free pages nobody has reserved."""
-        return len(self._free) - self.reserved
+        return self.free_count - self.reserved
+
+    @property
+    def free_count(self) -> int:
+        return len(self._returned) + self.count - self.fresh
 
     def take(self, reserved: bool = False, page: int | None = None) -> int:
         """The lowest free page, or `page` if given (it must be free): a placement policy's choice."""
-        if not self._free or (not reserved and self.available < 1):
+        if not self.free_count or (not reserved and self.available < 1):
             raise PagesExhausted(f"pool {self.name}: all {self.count} pages are in use or reserved")
+        if page is not None and self.refs[page]:
+            raise ValueError(f"pool {self.name}: page {page} is in use")
         if reserved:
             self.reserved -= 1
         if page is None:
-            page = heapq.heappop(self._free)
+            page = heapq.heappop(self._returned) if self._returned else self._fresh_page()
+        elif page >= self.fresh:  # the ids it skips stay free: given back, as it were
+            for skipped in range(self.fresh, page):
+                heapq.heappush(self._returned, skipped)
+            self.fresh = page + 1
         else:
-            if self.refs[page]:
-                raise ValueError(f"pool {self.name}: page {page} is in use")
-            self._free.remove(page)
-            heapq.heapify(self._free)
+            self._returned.remove(page)
+            heapq.heapify(self._returned)
         self.refs[page] = 1
         self.allocated += 1
         return page
+
+    def _fresh_page(self) -> int:
+        self.fresh += 1
+        return self.fresh - 1
 
     def retain(self, page: int) -> None:
         if self.refs[page] < 1:
             raise ValueError(f"pool {self.name}: page {page} is free; only a held page can be shared")
         self.refs[page] += 1
+        self.shared += self.refs[page] == 2
 
     def release(self, page: int, evicted: bool = False) -> None:
         if self.refs[page] < 1:
             raise ValueError(f"pool {self.name}: page {page} is released more often than it was held")
         self.refs[page] -= 1
+        self.shared -= self.refs[page] == 1
         if not self.refs[page]:
-            heapq.heappush(self._free, page)
+            heapq.heappush(self._returned, page)
             self.evicted += evicted
 
     def reserve(self, count: int) -> None:
@@ -96,5 +118,5 @@ class PagePool:
         self.reserved -= count
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.count, self.count - len(self._free), len(self._free), sum(r > 1 for r in self.refs),
+        return PoolStats(self.count, self.count - self.free_count, self.free_count, self.shared,
                          self.reserved, self.allocated, self.copied, self.evicted)

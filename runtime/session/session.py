@@ -9,14 +9,18 @@ before a replay changes no output.
 
 Compressed entries and index keys are paged (page_tables.py). By default the session owns
 the pages: `pages` (per pool, or one count for all), a `cache_bytes` budget for them, or
-else enough for every slot to reach max_seq_len; a replay then gives each row the pages
-its tokens need and fills the block-table inputs itself. `contiguous` places slot s's
-pages at s * pages_per_slot onwards, in order: the per-slot layout of format 2's caches.
+else what `memory_fraction` of the device's free memory holds, at most enough for every slot
+to reach max_seq_len (memory.py); a replay then gives each row the pages its tokens need
+and fills the block-table inputs itself. `contiguous` places slot s's pages at
+s * pages_per_slot onwards, in order: the per-slot layout of format 2's caches, which
+needs every slot's pages for max_seq_len whatever the budget.
 A caller that owns its pages passes the block tables instead, and the session only
 checks them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,6 +33,7 @@ from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import place_weights
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
+from b12x_toolchain.runtime.session.memory import default_fraction, free_bytes, zeros
 from b12x_toolchain.runtime.session.page_tables import PageTables
 from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.retarget import graph_on
@@ -58,9 +63,12 @@ class Bucket:
 class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                  pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
-                 compile=False, compile_cache=None, capture=None, passes=None, engram_tables="device"):
-        """capture: how each bucket's step is captured (graph_runner.py): by default CUDA
-        graphs on a CUDA device and none elsewhere; capture.RecordingCapture() runs the
+                 compile=False, compile_cache=None, capture=None, passes=None, engram_tables="device",
+                 memory_fraction: float | None = None):
+        """memory_fraction: without pages or cache_bytes, the share of the device's free memory
+        the page pools and the session's other buffers may take (memory.py; default 0.9 on
+        CUDA, 0.25 on CPU). capture: how each bucket's step is captured (graph_runner.py): by
+        default CUDA graphs on a CUDA device and none elsewhere; capture.RecordingCapture() runs the
         capture path off the GPU. passes: the pass names to prepare (default: all); only
         their graphs are deserialised (package/pass_graph.py). engram_tables: where the
         Engram tables live, "device" (as every weight) or "host" (pinned CPU memory, read
@@ -75,8 +83,9 @@ class Session:
         self.weights = place_weights(package.weights, self.device, package.manifest.weights.engram_tables,
                                      engram_tables)
         self.caches, self.staging = {}, {}
+        self.memory_budget = None  # what sized the default pools (_budget_counts), when it did
         page_specs = self._page_specs()
-        self.pools = self._pools(page_specs, pages, cache_bytes, buffers or {})
+        self.pools = self._pools(page_specs, pages, cache_bytes, buffers or {}, contiguous, memory_fraction, passes)
         self._bind(buffers or {})
         paged = {pool: {name: self.caches[name] for name, _ in entries} for pool, entries in page_specs.items()}
         self.pages = PageTables(self.pools, paged, slots, self.device, contiguous)
@@ -126,11 +135,18 @@ class Session:
                 out.setdefault(spec.info.page.pool, []).append((name, spec.info.page))
         return out
 
-    def _pools(self, specs: dict, pages, cache_bytes, given: dict) -> dict[str, PagePool]:
+    def _pools(self, specs: dict, pages, cache_bytes, given: dict, contiguous: bool, memory_fraction,
+               passes) -> dict[str, PagePool]:
         """One pool per page pool of `specs` (`_page_specs`), sized by pages, cache_bytes, the
-        paged caches the caller brought, or else for every slot to reach max_seq_len."""
+        paged caches the caller brought, or else by a share of the device's free memory
+        (`_budget_counts`); contiguous placement gives every slot its pages for max_seq_len."""
         if pages is not None and cache_bytes is not None:
             raise ValueError("give pages or cache_bytes, not both")
+        if memory_fraction is not None and (pages is not None or cache_bytes is not None):
+            raise ValueError("memory_fraction sizes the pools when neither pages nor cache_bytes is given")
+        if memory_fraction is not None and contiguous:
+            raise ValueError("memory_fraction does not apply to contiguous=True: contiguous placement needs "
+                             "every slot's pages for max_seq_len")
         brought = {pool: given[name].shape[0] for pool, entries in specs.items() for name, _ in entries
                    if isinstance(given.get(name), torch.Tensor) and given[name].dim() == 2}
         if brought and pages is None and cache_bytes is None:
@@ -138,12 +154,11 @@ class Session:
         first = {pool: entries[0][1] for pool, entries in specs.items()}
         set_bytes = {pool: sum(p.page_bytes for _, p in entries) for pool, entries in specs.items()}
         if cache_bytes is not None:
-            # Each pool gets the same number of tokens out of the budget.
-            per_token = sum(set_bytes[p] / first[p].tokens_per_page for p in specs) or 1
-            tokens = int(cache_bytes // per_token) if isinstance(cache_bytes, int) and cache_bytes > 0 else 0
-            counts = {p: tokens // first[p].tokens_per_page for p in specs}
+            counts = self._counts_for_bytes(cache_bytes, first, set_bytes)
         elif pages is None:
             counts = {p: self.slots * first[p].pages_per_slot for p in specs}  # every slot at max_seq_len
+            if not contiguous:  # contiguous placement needs them all: slot s owns pages s * pages_per_slot on
+                counts = self._budget_counts(counts, first, set_bytes, given, memory_fraction, passes)
         elif isinstance(pages, dict):
             if set(pages) != set(specs):
                 raise ValueError(f"pages: {sorted(pages)} given; this package's page pools are {sorted(specs)}")
@@ -158,6 +173,53 @@ class Session:
         return {p: PagePool(p, counts[p], first[p].tokens_per_page, first[p].pages_per_slot, set_bytes[p])
                 for p in specs}
 
+    @staticmethod
+    def _counts_for_bytes(cache_bytes, first: dict, set_bytes: dict) -> dict[str, int]:
+        """Pages per pool that `cache_bytes` holds, each pool getting the same number of tokens."""
+        per_token = sum(set_bytes[p] / first[p].tokens_per_page for p in first) or 1
+        tokens = int(cache_bytes // per_token) if isinstance(cache_bytes, int) and cache_bytes > 0 else 0
+        return {p: tokens // first[p].tokens_per_page for p in first}
+
+    def _budget_counts(self, full: dict, first: dict, set_bytes: dict, given: dict, memory_fraction,
+                       passes) -> dict[str, int]:
+        """The default pools: `full` (every slot at max_seq_len) where the budget holds it, else
+        the pages the budget holds, as long as one request of max_seq_len tokens fits."""
+        fraction = default_fraction(self.device) if memory_fraction is None else memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"memory_fraction={memory_fraction!r}: expected a number in (0, 1]")
+        free = free_bytes(self.device)
+        other = self._other_buffer_bytes(given, passes, first)
+        budget = max(int(fraction * free) - other, 0)
+        self.memory_budget = {"memory_fraction": fraction, "free_bytes": free, "other_bytes": other,
+                              "budget_bytes": budget}
+        counts = {p: min(n, full[p]) for p, n in self._counts_for_bytes(budget, first, set_bytes).items()}
+        if any(counts[p] < first[p].pages_per_slot for p in first):
+            one = sum(first[p].pages_per_slot * set_bytes[p] for p in first)
+            raise ValueError(
+                f"the page pools' memory budget is {budget} bytes ({fraction} of {free} bytes free on "
+                f"{self.device}, less {other} bytes of the session's other buffers); bytes per page: "
+                + ", ".join(f"{set_bytes[p]} in pool {p}" for p in first)
+                + f"; one request of max_seq_len {self.package.manifest.model.max_seq_len} tokens needs "
+                + ", ".join(f"{first[p].pages_per_slot} pages of pool {p}" for p in first)
+                + f" ({one} bytes). Free memory, raise memory_fraction, or give pages or cache_bytes")
+        return counts
+
+    def _other_buffer_bytes(self, given: dict, passes, first: dict) -> int:
+        """Bytes the session allocates beside its pages: per-slot caches and staging (those the
+        caller did not bring), block tables, and the static inputs and outputs of every bucket."""
+        symbols = {"slots": self.slots + 1, "rows": self.max_rows}
+        paged = {name for name, spec in self._shared_specs().items()
+                 if spec.info is not None and isinstance(spec.info.page, CachePages)}
+        total = sum(math.prod(spec.resolve(symbols)) * spec.torch_dtype.itemsize
+                    for name, spec in self._shared_specs().items() if name not in paged and name not in given)
+        total += sum((self.slots + 1) * page.pages_per_slot * 4 for page in first.values())  # int32 tables
+        for name in self._replayed(passes):
+            info = self.package.passes[name]
+            for rows in (b for b in info.rows_buckets if b <= self.max_rows):
+                total += sum(math.prod(s.resolve({"rows": rows})) * s.torch_dtype.itemsize
+                             for s in (*info.inputs, *info.outputs) if s.role in ("input", "output"))
+        return total
+
     def _bind(self, given: dict) -> None:
         symbols = {"slots": self.slots + 1, "rows": self.max_rows, **{p: pool.count for p, pool in self.pools.items()}}
         specs = self._shared_specs()
@@ -168,7 +230,7 @@ class Session:
             shape = spec.resolve(symbols)
             tensor = given.get(name)
             if tensor is None:
-                tensor = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
+                tensor = zeros(shape, spec.torch_dtype, self.device)  # CPU: committed as it is written
             check_buffer(spec, tensor, shape, self.device)
             (self.caches if spec.role == "cache" else self.staging)[name] = tensor
 

@@ -22,6 +22,7 @@ from b12x_toolchain.exporter.hf.config_writer import hf_config_dict
 from b12x_toolchain.exporter.model.weights import weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.train.tokenizer import save_tokenizer, train_tokenizer
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from conftest import recipe_variant
 from hf_reference import INDEX, fp32_tiny_recipe, save_tiny_checkpoint
@@ -332,27 +333,47 @@ def test_cli_export_checkpoint_errors_are_one_line_and_write_nothing(ckpt, tiny_
     assert not out.exists()
 
 
-def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tiny_yaml, tmp_path, monkeypatch):
+class Stop(Exception):
+    pass
+
+
+def export_arguments(monkeypatch, *args) -> dict:
+    """What `b12x export ARGS` hands export_package, which stops there."""
     import b12x_toolchain.exporter.pipeline.export as export_module
 
     seen = {}
-
-    class Stop(Exception):
-        pass
 
     def fake_export_package(recipe, out_dir, **kwargs):
         seen.update(kwargs, recipe=recipe)
         raise Stop
 
     monkeypatch.setattr(export_module, "export_package", fake_export_package)
-    result = run("export", "--recipe", tiny_yaml, "--checkpoint", ckpt.path, "--out", tmp_path / "out")
+    result = run("export", *args)
     assert isinstance(result.exception, Stop), result.output
-    assert seen["recipe"].name == "dsv4-tiny"
+    return seen
+
+
+def test_cli_export_checkpoint_passes_the_imported_weights(ckpt, tiny_yaml, tmp_path, monkeypatch):
+    seen = export_arguments(monkeypatch, "--recipe", tiny_yaml, "--checkpoint", ckpt.path, "--out", tmp_path / "out")
+    assert seen["recipe"].name == "dsv4-tiny" and seen["tokenizer"] is None
     assert seen["weights_source"] == "Hugging Face checkpoint tiny-v4"
     assert not seen["structural"]
     expected = expected_weights(ckpt)
     assert list(seen["weights"]) == list(expected)
     assert all(torch.equal(seen["weights"][name], t) for name, t in expected.items())
+
+
+def test_cli_export_checkpoint_passes_its_tokenizer(ckpt, tiny_yaml, tmp_path, monkeypatch):
+    root = copy_of(ckpt, tmp_path)
+    save_tokenizer(train_tokenizer(["def f(x):\n    return x\n"], vocab_size=300), root)
+    seen = export_arguments(monkeypatch, "--recipe", tiny_yaml, "--checkpoint", root, "--out", tmp_path / "out")
+    tokenizer = seen["tokenizer"]
+    assert tokenizer.files == {f"tokenizer/{n}": (root / n).read_bytes()
+                               for n in ("tokenizer.json", "tokenizer_config.json")}
+    assert (tokenizer.facts.eos_token_id, tokenizer.facts.pad_token_id, tokenizer.facts.chat_template) == (0, 2, True)
+    (root / "tokenizer.json").write_text("{}")
+    line = one_error_line(run("export", "--recipe", tiny_yaml, "--checkpoint", root, "--out", tmp_path / "out"))
+    assert f"checkpoint {root}: tokenizer.json: not a tokenizer the tokenizers library reads" in line
 
 
 def test_the_import_needs_no_transformers():

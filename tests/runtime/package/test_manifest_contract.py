@@ -132,15 +132,15 @@ def test_an_older_op_set_package_is_refused_with_the_re_export_advice(tiny_recip
 
 def test_a_newer_format_or_op_set_asks_for_a_newer_b12x(tiny_recipe, tmp_path):
     base = contract_manifest(tiny_recipe)
-    for newer in ("5.0", "4.4"):
-        with pytest.raises(PackageError, match=rf"format_version {newer} is not supported .*reads 4\.0 to 4\.3.*newer b12x"):
+    for newer in ("5.0", "4.5"):
+        with pytest.raises(PackageError, match=rf"format_version {newer} is not supported .*reads 4\.0 to 4\.4.*newer b12x"):
             read_back(edited(base, lambda x: x.update(format_version=newer)), tmp_path)
     with pytest.raises(PackageError, match=r"opset_version 7 is unknown; .*not an op set this runtime knows"):
         read_back(edited(base, lambda x: x.update(opset_version=7)), tmp_path)
     assert read_back(base, tmp_path).format_version == "4.3"  # the unedited manifest reads
 
 
-@pytest.mark.parametrize("minor", ["4.0", "4.1", "4.2", "4.3"])
+@pytest.mark.parametrize("minor", ["4.0", "4.1", "4.2", "4.3", "4.4"])
 def test_every_minor_up_to_this_runtimes_reads(tiny_recipe, tmp_path, minor):
     assert read_back(edited(contract_manifest(tiny_recipe), lambda x: x.update(format_version=minor)),
                      tmp_path).format_version == minor

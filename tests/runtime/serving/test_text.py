@@ -14,9 +14,17 @@ MULTI_BYTE = "café: 中文 and 🙂🎉 — naïve ünïcödé\n"
 
 
 @pytest.fixture(scope="module")
-def codec():
-    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 20, MULTI_BYTE], vocab_size=300)
-    return TextCodec.from_files(tokenizer.to_str().encode(), json.dumps(tokenizer_config()).encode())
+def tokenizer_json() -> bytes:
+    return train_tokenizer(["def f(x):\n    return x + 1\n" * 20, MULTI_BYTE], vocab_size=300).to_str().encode()
+
+
+def with_template(tokenizer_json: bytes, template: str) -> TextCodec:
+    return TextCodec.from_files(tokenizer_json, json.dumps(tokenizer_config(template)).encode())
+
+
+@pytest.fixture(scope="module")
+def codec(tokenizer_json):
+    return with_template(tokenizer_json, CHAT_TEMPLATE)
 
 
 def test_ids_of_the_special_tokens(codec):
@@ -52,33 +60,31 @@ def test_the_chat_template_renders(codec):
 
 @pytest.mark.parametrize("template", ["{{ ''.__class__ }}", "{{ messages.__class__.__mro__ }}",
                                       "{{ cycler.__init__.__globals__ }}"])
-def test_a_template_reaching_for_internals_is_refused(codec, template):
-    hostile = TextCodec.from_files(codec._tokenizer.to_str().encode(),
-                                   json.dumps(tokenizer_config(template)).encode())
+def test_a_template_reaching_for_internals_is_refused(tokenizer_json, template):
+    hostile = with_template(tokenizer_json, template)
     with pytest.raises(ValueError, match="chat template: SecurityError: access to attribute '__"):
         hostile.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_template_and_message_errors_are_named(codec):
-    broken = TextCodec.from_files(codec._tokenizer.to_str().encode(),
-                                  json.dumps(tokenizer_config("{% for %}")).encode())
+def test_template_and_message_errors_are_named(codec, tokenizer_json):
+    broken = with_template(tokenizer_json, "{% for %}")
     with pytest.raises(ValueError, match="chat template: TemplateSyntaxError"):
         broken.apply_chat_template([])
     with pytest.raises(ValueError, match=r"messages\[0\] .*expected an object with string 'role' and 'content'"):
         codec.apply_chat_template([{"role": "user"}])
-    bare = TextCodec.from_files(codec._tokenizer.to_str().encode())
+    bare = TextCodec.from_files(tokenizer_json)
     assert bare.eos_id is None and bare.chat_template is None
     with pytest.raises(ValueError, match="this tokenizer has no chat_template"):
         bare.apply_chat_template([])
 
 
-def test_bad_ids_and_files_are_named(codec):
+def test_bad_ids_and_files_are_named(codec, tokenizer_json):
     with pytest.raises(ValueError, match=r"token id 300: expected an integer in \[0, 300\)"):
         codec.decode([1, 300])
     with pytest.raises(ValueError, match="tokenizer.json: not a tokenizer the tokenizers library reads"):
         TextCodec.from_files(b"{}")
     config = json.dumps({"eos_token": "<|nothing|>"}).encode()
     with pytest.raises(ValueError, match=r"ckpt/tokenizer.json: eos_token '<\|nothing\|>' is not a token"):
-        TextCodec.from_files(codec._tokenizer.to_str().encode(), config, source="ckpt")
+        TextCodec.from_files(tokenizer_json, config, source="ckpt")
     with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
-        TextCodec.from_files(codec._tokenizer.to_str().encode(), b"{,")
+        TextCodec.from_files(tokenizer_json, b"{,")
