@@ -12,8 +12,6 @@ from __future__ import annotations
 def load_codec(package):
     from b12x_toolchain.runtime.serving.text import TextCodec
 
-    if getattr(package.manifest, "tokenizer", None) is None:  # no tokenizer section: token ids only
-        return None
     return TextCodec.from_package(package)
 
 
