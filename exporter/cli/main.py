@@ -9,6 +9,7 @@ from b12x_toolchain.exporter.cli.cmd_export import export
 from b12x_toolchain.exporter.cli.cmd_inspect import inspect
 from b12x_toolchain.exporter.cli.cmd_recipe import recipe
 from b12x_toolchain.exporter.cli.cmd_run import run
+from b12x_toolchain.exporter.cli.cmd_serve import serve
 from b12x_toolchain.exporter.cli.cmd_train import train
 from b12x_toolchain.exporter.cli.cmd_verify import verify
 
@@ -19,7 +20,7 @@ def main():
     """Export speculative-decoding passes as versioned packages and replay them."""
 
 
-for command in (export, inspect, run, abi, verify, recipe, train):
+for command in (export, inspect, run, serve, abi, verify, recipe, train):
     main.add_command(command)
 
 

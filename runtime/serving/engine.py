@@ -49,13 +49,15 @@ def passes_used(package_passes, speculative: bool = True, drafter=None) -> tuple
 
 class Engine:
     def __init__(self, session, *, speculative: bool = True, temperature: float = 0.0, seed: int = 0,
-                 drafter=None, slots: Iterable[int] | None = None, prefix_cache=None):
+                 drafter=None, slots: Iterable[int] | None = None, prefix_cache=None, top_p: float = 1.0):
         """Serve requests over `slots` of `session` (default: all of them).
 
         speculative: draft and verify up to draft_width + 1 tokens per step; otherwise one.
         temperature: 0 decodes greedily; above 0 samples, speculatively with residual
             resampling, from a per-request generator seeded from `seed` and the request's
-            submission index (or the request's own seed).
+            submission index (or the request's own seed). A request may set its own.
+        top_p: nucleus sampling mass for requests that set none, applied to the target's and
+            the draft's distributions alike (speculative sampling stays exact).
         drafter: `drafter(rows) -> one list of draft_width token ids per row`, replacing
             the draft pass; its drafts count as deterministic (q one-hot) when sampling.
         prefix_cache: a `prefix_cache.PrefixCache`; prefill hydrates the longest stored
@@ -64,6 +66,9 @@ class Engine:
         """
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        self.top_p = float(top_p)
         self.session, self.speculative, self.temperature = session, speculative, float(temperature)
         self.seed, self.drafter, self.prefix_cache = seed, drafter, prefix_cache
         package = session.package
@@ -129,7 +134,9 @@ class Engine:
             self._ids.add(label)
             seed = ("request", request.seed) if request.seed is not None else ("engine", self.seed, index)
             state = RequestState(label, list(request.prompt), request.max_new_tokens, frozenset(request.stop),
-                                 _generator(seed), submitted_at=now)
+                                 _generator(seed), submitted_at=now,
+                                 temperature=self.temperature if request.temperature is None else float(request.temperature),
+                                 top_p=self.top_p if request.top_p is None else float(request.top_p))
             states.append(state)
         return states
 
@@ -151,6 +158,23 @@ class Engine:
             return False
         pages.reserve(slot, 0, span, shared)
         return True
+
+    def cancel(self, request_id) -> RequestState | None:
+        """End a waiting or running request now (finish_reason "cancelled"); its slot and pages
+        return at once. Call between steps. None when no such request is waiting or running."""
+        for request in self.waiting:
+            if request.id == request_id:
+                self.waiting.remove(request)
+                request.finish_reason, request.finished_at = "cancelled", time.perf_counter()
+                self.finished.append(request)
+                return request
+        for request in self.active:
+            if request.id == request_id:
+                self.active.remove(request)
+                request.finish_reason = "cancelled"
+                self._retire(request, StepStats())
+                return request
+        return None
 
     @property
     def busy(self) -> bool:
@@ -266,6 +290,7 @@ class Engine:
                 continue
             if reserve:
                 self.session.pages.reserve(request.slot, committed, span)
+            request.cached_tokens, request.prefix_tier = (hit.length, hit.tier) if hit else (0, None)
             if hit is not None:
                 request.length = hit.length
                 if hit.length == len(request.prompt):  # exact hit: the stored logits give the first token
@@ -286,7 +311,7 @@ class Engine:
         now = time.perf_counter()
         for request in batch:
             logits = last[request.slot]
-            request.pending = pick(logits, self.temperature, request.generator)
+            request.pending = pick(logits, request.temperature, request.generator, request.top_p)
             request.first_token_at = now
             self._emit(request, [request.pending], [margin(logits)], stats)
             stats.prefill_tokens += len(request.prompt)
@@ -301,11 +326,16 @@ class Engine:
         block = [[r.pending] + [self.noise] * (self.draft_width - 1) for r in rows]
         out = self._replay("draft", stats, token_ids=block, slot_ids=[r.slot for r in rows],
                            positions=[r.length for r in rows])
-        if self.temperature == 0:
-            return confident_drafts(out, self.session.package.manifest), None
-        q = probabilities(out["logits"], self.temperature)
+        greedy = confident_drafts(out, self.session.package.manifest)
+        if all(r.temperature == 0 for r in rows):
+            return greedy, None
+        # Each sampled row draws from its own temperature and top-p; greedy rows keep their argmax drafts.
+        q = [probabilities(out["logits"][i], r.temperature, r.top_p) if r.temperature else None
+             for i, r in enumerate(rows)]
         lengths = confident_lengths(out, self.session.package.manifest)
-        return [[draw(q[i, j], r.generator) for j in range(n)] for i, (r, n) in enumerate(zip(rows, lengths))], q
+        drafts = [[draw(q[i][j], r.generator) for j in range(n)] if q[i] is not None else greedy[i]
+                  for i, (r, n) in enumerate(zip(rows, lengths))]
+        return drafts, q
 
     def _external_drafts(self, rows: list[RequestState]) -> list[list[int]]:
         drafts = [list(d) for d in self.drafter(rows)]
@@ -331,11 +361,11 @@ class Engine:
         results = []
         for i, (request, draft) in enumerate(zip(rows, drafts)):
             if not self.speculative:
-                emitted = [pick(logits[i, 0], self.temperature, request.generator)]
-            elif self.temperature == 0:
+                emitted = [pick(logits[i, 0], request.temperature, request.generator, request.top_p)]
+            elif request.temperature == 0:
                 emitted = accept_greedy(draft, logits[i])
             else:
-                p = probabilities(logits[i], self.temperature)
+                p = probabilities(logits[i], request.temperature, request.top_p)
                 emitted = accept_sampled(draft, None if q is None else q[i], p, request.generator)
             accepted = len(emitted) - 1
             stats.drafted += len(draft) if self.speculative else 0
@@ -358,7 +388,7 @@ class Engine:
         out = self._replay(name, stats, token_ids=[[r.pending] + [0] * (width - 1) for r in rows],
                            slot_ids=slots, positions=[r.length for r in rows], new_tokens=[1] * len(rows))
         for i, request in enumerate(rows):
-            token = pick(out["logits"][i, 0], self.temperature, request.generator)
+            token = pick(out["logits"][i, 0], request.temperature, request.generator, request.top_p)
             request.length += 1
             self._finish_step(request, [token], [margin(out["logits"][i, 0])], stats)
 

@@ -21,6 +21,8 @@ class Request:
     stop: tuple[int, ...] | list[int] = ()  # generation ends after emitting one of these (it is kept)
     id: object = None  # any hashable label; the engine numbers requests that bring none
     seed: int | None = None  # sampling seed of this request; default: derived from the engine's seed
+    temperature: float | None = None  # this request's sampling temperature; default: the engine's
+    top_p: float | None = None  # nucleus sampling mass in (0, 1]; default: the engine's
 
 
 @dataclass
@@ -42,12 +44,16 @@ class RequestState:
     pending: int = -1
     tokens: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # top-2 logit gap behind each emitted token
-    finish_reason: str | None = None  # "length" or "stop"
+    finish_reason: str | None = None  # "length", "stop", or "cancelled" (Engine.cancel)
     steps: int = 0  # decoding steps this request took part in
     accepted: int = 0  # drafts of this request the target accepted
     submitted_at: float = 0.0
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    cached_tokens: int = 0  # prompt tokens a prefix snapshot restored instead of prefill
+    prefix_tier: str | None = None  # where that snapshot came from: "l1" or "l2"
 
     @property
     def done(self) -> bool:
@@ -107,3 +113,12 @@ def check_request(request: Request, label: str, vocab_size: int, max_seq_len: in
                              f"expected a token id in [0, {vocab_size})")
     if request.seed is not None and not _is_int(request.seed):
         raise ValueError(f"request {label}: seed must be an integer, got {request.seed!r}")
+    temperature, top_p = request.temperature, request.top_p
+    if temperature is not None and not (_is_number(temperature) and temperature >= 0):
+        raise ValueError(f"request {label}: temperature must be a number >= 0, got {temperature!r}")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"request {label}: top_p must be a number in (0, 1], got {top_p!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

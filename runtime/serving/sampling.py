@@ -8,6 +8,10 @@ every draft is kept the bonus token draws from the target's next distribution. E
 emitted token is then distributed exactly as the target's p, whatever q is, so a bad
 drafter costs speed, never fidelity.
 
+Top-p (nucleus) sampling keeps the smallest set of most likely tokens whose mass reaches
+top_p and renormalizes. The engine truncates the draft's q and the target's p alike, so
+speculative sampling emits tokens distributed exactly as the truncated target.
+
 All randomness comes from a caller's `torch.Generator` (one per request), so a seed
 fixes the output whatever else shares the batch.
 """
@@ -17,21 +21,34 @@ from __future__ import annotations
 import torch
 
 
-def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     # float64: the acceptance ratio p/q of two small probabilities must not round to 0 or inf.
     # On the CPU: request generators are CPU generators, so a seed draws the same on any device.
-    return torch.softmax(logits.to("cpu", torch.float64) / temperature, dim=-1)
+    probs = torch.softmax(logits.to("cpu", torch.float64) / temperature, dim=-1)
+    return nucleus(probs, top_p) if top_p < 1.0 else probs
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` (last dim: the vocabulary) cut to the most likely tokens holding top_p of the mass, renormalized.
+
+    A token is kept when the mass of the tokens more likely than it is still below top_p, so
+    the most likely token always stays and the set just reaches top_p."""
+    ordered, order = probs.sort(dim=-1, descending=True)
+    before = ordered.cumsum(-1) - ordered
+    kept = torch.zeros_like(probs).scatter(-1, order, (before < top_p).to(probs.dtype))
+    truncated = probs * kept
+    return truncated / truncated.sum(-1, keepdim=True)
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None, top_p: float = 1.0) -> int:
     """One token from one row of logits: the argmax at temperature 0, else a seeded draw."""
     if temperature == 0:
         return int(logits.argmax())
-    return draw(probabilities(logits, temperature), gen)
+    return draw(probabilities(logits, temperature, top_p), gen)
 
 
 def accept_greedy(drafts: list[int], logits: torch.Tensor) -> list[int]:

@@ -16,6 +16,7 @@ from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.runtime.serving.sampling import accept_sampled, draw, probabilities
 from b12x_toolchain.runtime.serving.speculative import Decoder
+from chi_square import chi_square_p_value
 from conftest import recipe_variant
 
 VOCAB = 16
@@ -32,23 +33,6 @@ def vocab16(small_recipe, tmp_path_factory):
     recipe = recipe_variant(small_recipe, {"model.vocab_size": VOCAB, "model.engram.compressed_vocab_size": VOCAB},
                             name="dsv41-vocab16")
     return load(export_package(recipe, tmp_path_factory.mktemp("vocab16")).path)
-
-
-def chi_square_p_value(samples: list[int], expected: torch.Tensor) -> float:
-    """P-value of Pearson's chi-square test of `samples` against the distribution `expected`.
-
-    Tokens expected fewer than 5 times are pooled into one bin, as the test's chi-square
-    approximation needs.
-    """
-    counts = torch.bincount(torch.tensor(samples), minlength=len(expected)).double()
-    want = expected.double() * len(samples)
-    rare = want < 5
-    if rare.any():
-        counts = torch.cat([counts[~rare], counts[rare].sum().view(1)])
-        want = torch.cat([want[~rare], want[rare].sum().view(1)])
-    statistic = ((counts - want) ** 2 / want).sum()
-    dof = torch.tensor(len(want) - 1.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, statistic / 2))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,1 @@
+"""`b12x serve`: the OpenAI API over one serving engine (FastAPI on uvicorn)."""

@@ -1,0 +1,64 @@
+"""The one place the server meets the package's tokenizer (runtime/serving/text.py's TextCodec).
+
+`load_codec(package)` is the codec, or None when the package ships no tokenizer; the
+server then serves token ids only and answers text with a 400 (errors.NO_TOKENIZER).
+`TextStream` turns the tokens a request gets, update by update, into the text to send,
+cut before the first stop string.
+"""
+
+from __future__ import annotations
+
+
+def load_codec(package):
+    from b12x_toolchain.runtime.serving.text import TextCodec
+
+    return TextCodec.from_package(package)
+
+
+def encode_chat(codec, messages: list[dict]) -> list[int]:
+    """The conversation's prompt ids; ValueError when the tokenizer has no chat template or a
+    message does not fit it."""
+    return codec.encode(codec.apply_chat_template(messages))
+
+
+class TextStream:
+    """Text of a growing token sequence, cut before the first stop string.
+
+    `push(tokens)` returns the newly completed text that is safe to send: text that could
+    still turn out to begin a stop string is held back until it cannot. `stopped` says a
+    stop string was found; nothing after it is ever returned. A token the tokenizer has no
+    text for (the model's vocabulary may be larger) adds none.
+    """
+
+    def __init__(self, codec, stop: list[str]):
+        self._stream = codec.stream()
+        self._vocab_size = codec.vocab_size
+        self._stop = stop
+        self._held = ""
+        self.stopped = False
+
+    def push(self, tokens: list[int]) -> str:
+        if self.stopped:
+            return ""
+        for token in tokens:
+            if token < self._vocab_size:
+                self._held += self._stream.push(token)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """What was held back, once no more tokens come (an unfinished character as U+FFFD)."""
+        if self.stopped:
+            return ""
+        self._held += self._stream.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        found = [at for at in (self._held.find(stop) for stop in self._stop) if at >= 0]
+        if found:
+            self.stopped = True
+            out, self._held = self._held[: min(found)], ""
+            return out
+        keep = 0 if final else max((k for stop in self._stop for k in range(1, len(stop))
+                                    if self._held.endswith(stop[:k])), default=0)
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return out

@@ -1,0 +1,59 @@
+"""The server's Prometheus metrics, in a registry of its own (two servers in one process never mix).
+
+Counters a client can check against its responses: requests by outcome (the finish reason
+of every request the engine took: stop, length, cancelled), refusals by HTTP status,
+prompt and generated tokens. Latency: time to first token from the request's arrival,
+and the gap between tokens (a step that emits k tokens counts its gap k times, over k).
+The engine: queue depth, running requests, drafted and accepted tokens, tokens per
+row-step, prefix-cache hits by tier and the prompt tokens they restored, pages in use.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STEP_TOKEN_BUCKETS = tuple(float(n) for n in range(1, 10))
+
+
+class ServerMetrics:
+    def __init__(self):
+        registry = self.registry = CollectorRegistry()
+        self.requests = Counter("b12x_requests", "Requests the engine ran, by outcome (finish reason)", ["outcome"],
+                                registry=registry)
+        self.refused = Counter("b12x_refused_requests", "Requests answered with an error, by HTTP status", ["status"],
+                               registry=registry)
+        self.prompt_tokens = Counter("b12x_prompt_tokens", "Prompt tokens of requests the engine ran", registry=registry)
+        self.generated_tokens = Counter("b12x_generation_tokens", "Tokens generated", registry=registry)
+        self.ttft = Histogram("b12x_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("b12x_inter_token_latency_seconds", "Time between a request's tokens",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue_depth = Gauge("b12x_queue_depth", "Requests waiting for a slot", registry=registry)
+        self.running = Gauge("b12x_running_requests", "Requests holding a slot", registry=registry)
+        self.drafted = Counter("b12x_drafted_tokens", "Draft tokens proposed", registry=registry)
+        self.accepted = Counter("b12x_accepted_tokens", "Draft tokens the target accepted", registry=registry)
+        self.tokens_per_step = Histogram("b12x_tokens_per_step", "Tokens emitted per request per decoding step, "
+                                         "averaged over each engine step", buckets=STEP_TOKEN_BUCKETS,
+                                         registry=registry)
+        self.prefix_hits = Counter("b12x_prefix_hits", "Prompts that a prefix snapshot started, by tier", ["tier"],
+                                   registry=registry)
+        self.cached_tokens = Counter("b12x_prefix_cached_tokens", "Prompt tokens restored from prefix snapshots",
+                                     registry=registry)
+        self.pages_in_use = Gauge("b12x_pages_in_use", "Cache pages held by slots or snapshots", ["pool"],
+                                  registry=registry)
+        self.pages = Gauge("b12x_pages", "Cache pages of each pool", ["pool"], registry=registry)
+
+    def record_step(self, step: dict) -> None:
+        self.drafted.inc(step["drafted"])
+        self.accepted.inc(step["accepted"])
+        if step["rows"]:
+            self.tokens_per_step.observe(step["tokens_per_step"])
+
+    def record_pages(self, pools: dict) -> None:
+        for pool, counts in pools.items():
+            self.pages_in_use.labels(pool).set(counts["in_use"])
+            self.pages.labels(pool).set(counts["pages"])
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,74 @@
+"""What one server holds: the package, its session and engine, the prefix cache, the text codec,
+the engine loop and the metrics — built from the `b12x serve` options, closed in order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from b12x_toolchain.runtime.serving.http.codec import load_codec
+from b12x_toolchain.runtime.serving.http.engine_loop import EngineLoop
+from b12x_toolchain.runtime.serving.http.metrics import ServerMetrics
+from b12x_toolchain.runtime.serving.http.protocol import Limits
+
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class ServeOptions:
+    package: str
+    model_name: str | None = None
+    device: str = "cpu"
+    slots: int | None = None  # default: the largest verify rows bucket
+    pages: int | None = None
+    cache_bytes: int | None = None
+    speculative: bool = True
+    temperature: float = 0.0  # for requests that set none (OpenAI's default is 1; ours decodes greedily)
+    top_p: float = 1.0
+    seed: int = 0
+    prefix_cache_dir: str | None = None
+    prefix_cache_bytes: int | None = None  # alone, enables the in-memory tier
+    max_queue: int = 64
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+
+class Service:
+    def __init__(self, options: ServeOptions):
+        from b12x_toolchain.runtime import load
+        from b12x_toolchain.runtime.prefix.cache import PrefixCache
+        from b12x_toolchain.runtime.serving.engine import Engine, passes_used
+
+        self.options = options
+        self.started = time.time()
+        self.package = load(options.package)
+        model = self.package.manifest.model
+        self.limits = Limits(model.vocab_size, model.max_seq_len)
+        self.model_name = options.model_name or Path(options.package).name.removesuffix(".b12x")
+        slots = options.slots or self.package.passes["verify"].rows_buckets[-1]
+        self.session = self.package.session(device=options.device, slots=slots, pages=options.pages,
+                                            cache_bytes=options.cache_bytes,
+                                            passes=passes_used(self.package.passes, options.speculative))
+        self.prefix_cache = None
+        if options.prefix_cache_dir is not None or options.prefix_cache_bytes is not None:
+            budget = options.prefix_cache_bytes or DEFAULT_PREFIX_CACHE_BYTES
+            self.prefix_cache = PrefixCache(self.package, l1_bytes=budget, l2_dir=options.prefix_cache_dir,
+                                            l2_bytes=budget)
+        self.engine = Engine(self.session, speculative=options.speculative, temperature=options.temperature,
+                             top_p=options.top_p, seed=options.seed, prefix_cache=self.prefix_cache)
+        self.codec = load_codec(self.package)
+        self.metrics = ServerMetrics()
+        self.loop = EngineLoop(self.engine, self.metrics, options.max_queue)
+        self.loop.start()
+        self._closed = False
+
+    def close(self, grace_seconds: float = 0.0) -> None:
+        """Stop the engine loop (cancelling what still runs) and write the L2 prefix cache out."""
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.stop(timeout=max(grace_seconds, 1.0) + 30.0)
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # waits for queued snapshots to reach the directory
