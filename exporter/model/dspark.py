@@ -55,7 +55,8 @@ class DSparkDrafter(DraftStages):
         logits, confidence = self.block(w, io, positions, tokens)
         rows, prev = [], tokens[:, 0]
         for j in range(d.draft_width):
-            rows.append(logits[:, j] + self.markov_bias(w, prev))
+            bias = self.markov_bias(w, prev)
+            rows.append(logits[:, j] + bias)
             prev = rows[-1].argmax(dim=-1)
         return {names.output("logits"): torch.stack(rows, dim=1), names.output("confidence"): confidence}
 

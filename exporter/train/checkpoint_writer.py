@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from b12x_toolchain.exporter.hf.config_writer import v41_config_dict
-from b12x_toolchain.exporter.model.weights import logical_specs, quantize_stored, weight_formats
+from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, quantize_stored, weight_formats
 from b12x_toolchain.exporter.pipeline.checkpoint_index import write_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -40,19 +40,30 @@ def scale_name(name: str) -> str:
     return stored.removesuffix(".weight") + ".scale" if stored.endswith(".weight") else stored + "_scale_inv"
 
 
-def release_tensors(d, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float weights (every name of `logical_specs(d)`) in the formats `d`'s recipe stores them."""
+def stored_weights(d, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Float weights (every name of `logical_specs(d)`) as a package stores them in `d`'s formats:
+    the data under the weight's name, a block-scaled one's scale beside it."""
     formats = weight_formats(d)
     out = {}
     for name in logical_specs(d):
         tensor = weights[name].detach()
         if name not in formats or not tensor.is_floating_point():
-            out[stored_name(name)] = tensor.contiguous()
+            out[name] = tensor.contiguous()
             continue
-        data, scale = quantize_stored(tensor.float(), formats[name])
-        out[stored_name(name)] = data
+        out[name], scale = quantize_stored(tensor.float(), formats[name])
         if scale is not None:
-            out[scale_name(name)] = scale
+            out[name + SCALE_SUFFIX] = scale
+    return out
+
+
+def release_tensors(d, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`stored_weights` under the checkpoint's names."""
+    stored = stored_weights(d, weights)
+    out = {}
+    for name in logical_specs(d):
+        out[stored_name(name)] = stored[name]
+        if name + SCALE_SUFFIX in stored:
+            out[scale_name(name)] = stored[name + SCALE_SUFFIX]
     return out
 
 

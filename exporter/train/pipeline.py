@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+import safetensors.torch
 import torch
 import yaml
 
@@ -25,8 +26,8 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
-from b12x_toolchain.exporter.train import drafter, language_model
-from b12x_toolchain.exporter.train.checkpoint_writer import write_release_checkpoint
+from b12x_toolchain.exporter.train import drafter, generation, language_model
+from b12x_toolchain.exporter.train.checkpoint_writer import stored_weights, write_release_checkpoint
 from b12x_toolchain.exporter.train.corpus import fingerprint, load_corpus
 from b12x_toolchain.exporter.train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 from b12x_toolchain.exporter.train.training_ops import IndexerDistillation
@@ -44,7 +45,9 @@ class TrainingOptions:
     drafter_lr: float = 2e-3
     rows: int = 16  # sequences a target step; a drafter step takes rows // 2 sequences, 16 anchors each
     length: int = 128  # tokens a sequence: the window, so every position trains with its whole window
-    drafter_sequences: int = 512
+    drafter_sequences: int = 512  # training windows the drafter's anchors come from
+    target_from: str | None = None  # a target.safetensors of an earlier run: train only the drafter
+    drafter_generated: int = 0  # and sequences the target writes itself: a window's first half, then its greedy tokens
     heldout_windows: int = 128  # held-out windows the report's perplexity averages over
 
 
@@ -100,8 +103,16 @@ def train(out: Path, options: TrainingOptions = TrainingOptions(), log: Callable
         indexer = torch.stack(distillation.losses).mean() if distillation.losses else 0.0
         return language_model.next_token_loss(logits, tokens) + INDEXER_WEIGHT * indexer
 
-    schedule = language_model.Schedule(options.target_steps, options.target_lr, warmup=max(1, options.target_steps // 20))
-    target_losses = language_model.optimise(params, schedule, target_step, _every(log, "target", options.target_steps))
+    if options.target_from is None:
+        schedule = language_model.Schedule(options.target_steps, options.target_lr,
+                                           warmup=max(1, options.target_steps // 20))
+        target_losses = language_model.optimise(params, schedule, target_step,
+                                                _every(log, "target", options.target_steps))
+        safetensors.torch.save_file({n: t.detach().contiguous() for n, t in weights.items()},
+                                    str(out / "target.safetensors"))
+    else:  # the float weights as the earlier run left them after its target phase
+        weights.update(safetensors.torch.load_file(options.target_from))
+        target_losses = []
     for tensor in params:
         tensor.requires_grad_(False)
     heldout = heldout_stream[: options.heldout_windows * options.length]
@@ -109,6 +120,12 @@ def train(out: Path, options: TrainingOptions = TrainingOptions(), log: Callable
     log(f"target: held-out perplexity {ppl:.3f} (fp32 weights)")
 
     crops = language_model.random_crops(train_stream, options.drafter_sequences, options.length, generator)
+    if options.drafter_generated:
+        half = options.length // 2
+        prompts = language_model.random_crops(train_stream, options.drafter_generated, half, generator)
+        written = generation.greedy_continuations(data, stored_weights(d, weights), prompts, options.length - half)
+        log(f"drafter: {len(written)} sequences the target continued greedily")
+        crops = torch.cat([crops, written])
     draft_data = drafter.draft_data(module, weights, crops)
     draft_params = language_model.trainable(weights, drafter.drafter_weight_names(weights))
     accepted = []
