@@ -16,8 +16,10 @@ from b12x_toolchain.exporter.cli.common import console, fail
 @click.option("--seed", default=0, show_default=True, type=int, help="Seeds the initial weights, crops and anchors.")
 @click.option("--target-steps", default=None, type=click.IntRange(min=1), help="Target optimiser steps.")
 @click.option("--drafter-steps", default=None, type=click.IntRange(min=1), help="Drafter optimiser steps.")
+@click.option("--target-from", type=click.Path(exists=True, dir_okay=False),
+              help="An earlier run's target.safetensors: keep that target and train only the drafter.")
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="torch intra-op threads.")
-def train(out_dir, recipe, seed, target_steps, drafter_steps, threads):
+def train(out_dir, recipe, seed, target_steps, drafter_steps, target_from, threads):
     """Train the tokenizer, the target and its DSpark drafter on the Python standard library's
     sources and write a release-layout checkpoint (checkpoints/dsv41-mini was made this way)."""
     import dataclasses
@@ -29,7 +31,7 @@ def train(out_dir, recipe, seed, target_steps, drafter_steps, threads):
     from b12x_toolchain.exporter.train.pipeline import train as run_training
 
     torch.set_num_threads(threads)
-    options = TrainingOptions(recipe=recipe, seed=seed)
+    options = TrainingOptions(recipe=recipe, seed=seed, target_from=target_from)
     changes = {k: v for k, v in (("target_steps", target_steps), ("drafter_steps", drafter_steps)) if v is not None}
     options = dataclasses.replace(options, **changes)
     checkpoint = Path(out_dir) / "checkpoint"

@@ -41,13 +41,13 @@ class TrainingOptions:
     seed: int = 0
     target_steps: int = 800
     target_lr: float = 3e-3
-    drafter_steps: int = 400
+    drafter_steps: int = 1200
     drafter_lr: float = 2e-3
     rows: int = 16  # sequences a target step; a drafter step takes rows // 2 sequences, 16 anchors each
     length: int = 128  # tokens a sequence: the window, so every position trains with its whole window
-    drafter_sequences: int = 512  # training windows the drafter's anchors come from
+    drafter_sequences: int = 256  # training windows the drafter's anchors come from
     target_from: str | None = None  # a target.safetensors of an earlier run: train only the drafter
-    drafter_generated: int = 0  # and sequences the target writes itself: a window's first half, then its greedy tokens
+    drafter_generated: int = 512  # and sequences the target writes itself: a window's first half, then its greedy tokens
     heldout_windows: int = 128  # held-out windows the report's perplexity averages over
 
 
