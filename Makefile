@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The shipped trained model: exported from its release-layout checkpoint (its tokenizer goes
+# into the package), then one text prompt decoded speculatively and again without the drafter.
+DEMO_RUN := --prompts examples/demo_prompt.jsonl --max-new-tokens 64 --threads 1
+
 demo: setup
-	$(BIN)/b12x export --recipe dsv41-tiny --out out
-	$(BIN)/b12x run out/dsv41-tiny.b12x --prompt-ids 1,2,3,4,5,6,7,8 --max-new-tokens 32
+	$(BIN)/b12x export --recipe dsv41-mini --checkpoint checkpoints/dsv41-mini --out out
+	$(BIN)/b12x run out/dsv41-mini.b12x $(DEMO_RUN)
+	$(BIN)/b12x run out/dsv41-mini.b12x $(DEMO_RUN) --greedy
 
 # One torch thread per process: the suite's tensors are tiny, and the two cores go to two
 # pytest workers instead (pytest-xdist; a module's tests stay on one worker, so its

@@ -127,6 +127,20 @@ def small_recipe(tiny_recipe):
 
 
 @pytest.fixture(scope="session")
+def shipped_path(run_dir):
+    """The shipped trained model (checkpoints/dsv41-mini) exported as `make demo` exports it."""
+    from b12x_toolchain.exporter.hf.tokenizer_files import checkpoint_export_inputs
+    from paths import SHIPPED_CHECKPOINT
+
+    def build(out):
+        recipe = load_recipe("dsv41-mini")
+        weights, source, tokenizer = checkpoint_export_inputs(SHIPPED_CHECKPOINT, recipe)
+        return export_package(recipe, out, weights=weights, weights_source=source, tokenizer=tokenizer).path
+
+    return once_per_run(run_dir, "shipped", build)
+
+
+@pytest.fixture(scope="session")
 def small_path(small_recipe, run_dir):
     return once_per_run(run_dir, "small", lambda out: export_package(small_recipe, out).path)
 

@@ -24,7 +24,7 @@ from b12x_toolchain.exporter.recipe.loader import load_recipe
 from conftest import SMALL, recipe_variant
 from decode_steps import FP32_WEIGHTS
 
-BUNDLED = "dsv4-tiny, dsv41, dsv41-tiny"
+BUNDLED = "dsv4-tiny, dsv41, dsv41-mini, dsv41-tiny"
 
 
 @pytest.fixture

@@ -268,7 +268,7 @@ def test_bundled_errors_use_the_base_name():
     with pytest.raises(RecipeError) as info:
         load_recipe("dsv99")
     assert info.value.file == "dsv99"
-    assert "dsv4-tiny, dsv41, dsv41-tiny" in str(info.value)
+    assert "dsv4-tiny, dsv41, dsv41-mini, dsv41-tiny" in str(info.value)
     # A missing ".yaml" file is a path, not a bundled name.
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe("dsv99.yaml")
