@@ -64,11 +64,12 @@ def perplexity(session, files: list[list[int]]) -> float:
     windows = [ids[:WINDOW] for ids in files if len(ids) >= WINDOW][:PERPLEXITY_WINDOWS]
     total, count = 0.0, 0
     for window in windows:
+        session.reset_slot(0)  # every window from position 0
         logits = []
         for start in range(0, WINDOW, chunk):
             out = session.replay("prefill", token_ids=[window[start : start + chunk]], slot_ids=[0],
                                  positions=[start], new_tokens=[chunk])
-            logits.append(out["logits"][0].float())
+            logits.append(out["logits"][0].clone())  # the output buffer is reused by the next replay
         logits = torch.cat(logits)
         total += float(F.cross_entropy(logits[:-1], torch.tensor(window[1:]), reduction="sum"))
         count += WINDOW - 1
