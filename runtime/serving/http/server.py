@@ -20,11 +20,17 @@ from b12x_toolchain.runtime.serving.http.app import create_app
 CLOSE_CONNECTIONS_S = 5.0  # after the grace period: for finished responses to reach their clients
 
 
+BACKLOG = 2048  # uvicorn's default
+
+
 def bind(host: str, port: int) -> socket.socket:
+    """A listening socket: connections made before uvicorn's loop runs wait in its backlog
+    instead of being refused, so the URL is usable as soon as it is printed."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(BACKLOG)
     return sock
 
 
