@@ -51,9 +51,9 @@ class TrainingOptions:
     heldout_windows: int = 128  # held-out windows the report's perplexity averages over
 
 
-def shipping_recipe(name: str, tokenizer) -> tuple[object, dict]:
-    """The recipe with its Engram compressed vocabulary set to the tokenizer's distinct keys."""
-    data = copy.deepcopy(load_recipe(name).normalized())
+def shipping_recipe(recipe, tokenizer) -> tuple[object, dict]:
+    """`recipe` with its Engram compressed vocabulary set to the tokenizer's distinct keys."""
+    data = copy.deepcopy(recipe.normalized())
     engram = data["model"].get("engram")
     if engram is not None:
         engram["compressed_vocab_size"] = len(set(token_map_keys(tokenizer)))
@@ -74,10 +74,10 @@ def train(out: Path, options: TrainingOptions = TrainingOptions(), log: Callable
     corpus = load_corpus()
     log(f"corpus: Python {corpus.python_version} standard library, {len(corpus.train)} training files, "
         f"{len(corpus.heldout)} held out")
-    probe = load_recipe(options.recipe)
-    tokenizer = train_tokenizer(corpus.train, probe.model.vocab_size, seed=options.seed)
+    named = load_recipe(options.recipe)
+    tokenizer = train_tokenizer(corpus.train, named.model.vocab_size, seed=options.seed)
     save_tokenizer(tokenizer, out / "tokenizer")
-    recipe, data = shipping_recipe(options.recipe, tokenizer)
+    recipe, data = shipping_recipe(named, tokenizer)
     (out / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     d, d_train = Dims.from_recipe(recipe), Dims.from_recipe(float_recipe(data))
     eos = tokenizer.token_to_id(EOS_TOKEN)

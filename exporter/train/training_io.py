@@ -23,7 +23,7 @@ class SequenceIO:
     """A prefill of whole sequences [R, T] from position 0 (see the module's docstring)."""
 
     def __init__(self, d, rows: int, width: int, device="cpu"):
-        self.d, self.width = d, width
+        self.d = d
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.pos = torch.arange(width, device=device).expand(rows, -1)
         # Compressed entries and index keys are all this pass's own (`entry_rows` takes an id

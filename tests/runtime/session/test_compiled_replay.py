@@ -11,7 +11,10 @@ from conftest import random_tokens
 
 pytestmark = pytest.mark.slow(minutes=1.5)
 
-COMPILED = ("decode", "verify", "commit")  # writes caches, stages, moves bytes (each compile costs tens of seconds)
+# Verify stages rows (the fused window snapshot among them) and commit writes the caches from the
+# staging; decode's compile (about 40 s) is left out: its cache writes are commit's ops, and
+# test_inductor_writes holds a compiled read-then-write of a window ring to writing in place.
+COMPILED = ("verify", "commit")
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +24,6 @@ def sessions(small_path, tmp_path_factory):
     plain = package.session(slots=1, max_rows=1)
     compiled = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache)
     return package, plain, compiled, cache
-
-
-def _cache_specs(package) -> dict:
-    return {s.name: s for s in package.caches}
 
 
 def _copy_state(source, target):
@@ -57,34 +56,17 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
     # ... and commit, which only moves bytes, writes exactly the same caches.
     _copy_state(plain, compiled)
     accept = {"slot_ids": [0], "positions": [len(prompt)], "accepted_tokens": [5]}
-    assert compiled.replay("commit", **accept)["next_positions"].tolist() == plain.replay("commit", **accept)[
-        "next_positions"].tolist()
+    with torch.profiler.profile() as profile:
+        got = compiled.replay("commit", **accept)["next_positions"].tolist()
+    assert got == plain.replay("commit", **accept)["next_positions"].tolist()
+    assert "b12x_toolchain::write_rows" in {e.key for e in profile.key_averages()}  # writes in place, as itself
     for name in plain.caches:
         assert torch.equal(compiled.caches[name], plain.caches[name]), name
 
-    # Decode (after the commit) writes the caches: the same logits, and the same records (the state rings hold
-    # raw float32 rows, which fused arithmetic rounds differently).
-    _copy_state(plain, compiled)
-    start = int(plain.seq_lens[0])
-    for i in range(2):
-        step = {"token_ids": [[block[i]]], "slot_ids": [0], "positions": [start + i], "new_tokens": [1]}
-        want = plain.replay("decode", **step)["logits"].clone()
-        with torch.profiler.profile() as profile:
-            got = compiled.replay("decode", **step)["logits"]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    called = {e.key for e in profile.key_averages()}
-    assert "b12x_toolchain::write_rows" in called and "b12x_toolchain::round_trip" not in called
-    for name, spec in _cache_specs(package).items():
-        if spec.info.format == "fp32":
-            torch.testing.assert_close(compiled.caches[name].view(torch.float32), plain.caches[name].view(torch.float32),
-                                       rtol=1e-5, atol=1e-5)
-        else:
-            assert torch.equal(compiled.caches[name], plain.caches[name]), name
-
-
     ran = [b.graph for p in COMPILED for b in compiled.buckets[p].values()]
     assert all(isinstance(g, CompiledGraph) and g.compiled for g in ran)  # the compiled code really ran
-    assert not any(isinstance(b.graph, CompiledGraph) for p in ("prefill", "draft") for b in compiled.buckets[p].values())
+    assert not any(isinstance(b.graph, CompiledGraph) for p in ("prefill", "decode", "draft")
+                   for b in compiled.buckets[p].values())
     # Inductor's artifacts are under the session's own directory: package digest, device, torch.
     digest = package.manifest.manifest_sha256[:32]
     assert compiled.compile_cache.parent == cache / digest
