@@ -15,7 +15,7 @@ import torch
 
 from paths import ROOT  # noqa: E402
 
-pytestmark = pytest.mark.slow(minutes=2.5)  # the module's time on two busy cores: longest runs first
+pytestmark = pytest.mark.slow(minutes=0.6)  # the module's time on two busy cores: longest runs first
 
 RUNNER = ROOT / "benchmarks" / "run.py"
 

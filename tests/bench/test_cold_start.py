@@ -11,6 +11,8 @@ import pytest
 
 from paths import ROOT  # noqa: E402
 
+pytestmark = pytest.mark.slow(minutes=0.3)
+
 if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
     sys.path.append(str(ROOT))
 

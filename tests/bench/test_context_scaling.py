@@ -24,7 +24,7 @@ from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks import context_scaling as cs  # noqa: E402
 from benchmarks.registry import REGISTRY, Settings  # noqa: E402
 
-pytestmark = [pytest.mark.slow(minutes=0.5), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.slow(minutes=0.3), pytest.mark.usefixtures("one_torch_thread")]
 
 ONE_ROUND = Settings(repeat=1, warmup=0)
 

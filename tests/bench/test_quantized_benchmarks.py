@@ -25,7 +25,7 @@ from benchmarks.run import discover, table  # noqa: E402
 from conftest import once_per_run, recipe_variant  # noqa: E402
 
 # About 30 s of its own on two busy cores: the quantized small export, two child processes.
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=1)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.4)]
 
 
 @pytest.fixture(scope="module")

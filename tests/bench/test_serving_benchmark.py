@@ -19,7 +19,7 @@ from benchmarks.registry import Settings  # noqa: E402
 from benchmarks.run import discover, table  # noqa: E402
 from benchmarks.serving import CONCURRENCY, measure  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.3)]
 
 
 def test_serving_benchmark_reports_speculation_and_concurrency(fused_pkg):

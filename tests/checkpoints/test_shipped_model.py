@@ -20,7 +20,7 @@ from chi_square import chi_square_p_value
 from paths import SHIPPED_CHECKPOINT
 from runtime.serving.test_sampling import P_VALUE, first_tokens, keep_every_draft
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.7)]
 SUMS = SHIPPED_CHECKPOINT / "SHA256SUMS"
 MAX_BYTES = 20 * 2**20
 NEW_TOKENS = 48

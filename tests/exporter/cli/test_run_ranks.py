@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow(minutes=2)
+pytestmark = pytest.mark.slow(minutes=0.9)
 
 PROMPT = "5 17 301 44 9 260 3 77 120 31"
 

@@ -13,6 +13,8 @@ from b12x_toolchain.exporter.compare.abi_diff import diff_manifests
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.manifest import digest
 
+pytestmark = pytest.mark.slow(minutes=0.4)
+
 
 @pytest.fixture(scope="module")
 def base(fused_path):

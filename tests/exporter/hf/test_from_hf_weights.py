@@ -20,7 +20,7 @@ from b12x_toolchain.runtime import load
 from hf_reference import tiny_v4_config, tiny_weights
 from release_checkpoint import release_config, write_release_checkpoint
 
-pytestmark = pytest.mark.slow(minutes=1)  # one export of dsv4-tiny in the release's formats
+pytestmark = pytest.mark.slow(minutes=0.5)  # one export of dsv4-tiny in the release's formats
 
 BF16_ROLES = {"head": "bf16", "embeddings": "bf16", "compressor": "bf16", "router": "bf16", "norms": "bf16"}
 

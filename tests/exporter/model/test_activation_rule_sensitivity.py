@@ -27,7 +27,7 @@ from exporter.model.test_quantized_weights import FP8_ROLES, TOLERANCE, deepseek
 from hf_reference import reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint
 
-pytestmark = pytest.mark.slow(minutes=0.5)
+pytestmark = pytest.mark.slow(minutes=0.1)
 NUDGE = 2.0 ** -21  # relative: 4 float32 ulps
 SEEDS = (1, 2, 3)
 

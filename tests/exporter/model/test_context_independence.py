@@ -19,7 +19,7 @@ from conftest import once_per_run, random_tokens, recipe_variant
 from decode_steps import incremental
 
 LONG = 65_536
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=2)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.4)]
 
 
 @pytest.fixture(scope="module")

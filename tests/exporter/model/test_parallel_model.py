@@ -22,6 +22,8 @@ from conftest import random_tokens, recipe_variant
 from decode_steps import FP32_CACHES
 from ranks import on_ranks
 
+pytestmark = pytest.mark.slow(minutes=0.5)
+
 LENGTH = 150  # past the 128-token window
 
 

@@ -33,7 +33,7 @@ from decode_steps import FP32_CACHES, incremental, prefill
 from hf_reference import fp32_tiny_recipe, reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint
 
-pytestmark = pytest.mark.slow(minutes=2)  # two exports of the 128x128 package on two busy cores
+pytestmark = pytest.mark.slow(minutes=1.1)  # two exports of the 128x128 package on two busy cores
 
 TOLERANCE = 1e-5
 FP8_ROLES = ("attention", "indexer_query", "shared_experts", "draft_input")

@@ -22,7 +22,7 @@ from exporter.model.test_quantized_weights import TOLERANCE, assert_speculation_
 from hf_reference import reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint
 
-pytestmark = pytest.mark.slow(minutes=1)
+pytestmark = pytest.mark.slow(minutes=0.7)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 from conftest import random_tokens
 from decode_steps import incremental, relative_rms, single_forward
 
-pytestmark = pytest.mark.slow(minutes=2)  # the module's time on two busy cores: longest runs first
+pytestmark = pytest.mark.slow(minutes=0.5)  # the module's time on two busy cores: longest runs first
 
 LENGTH = 360
 

@@ -22,7 +22,7 @@ from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_r
 from hf_reference import fp32_tiny_recipe, reference_logits, save_tiny_checkpoint
 from near_ties import first_difference
 
-pytestmark = pytest.mark.slow(minutes=3)  # the module's time on two busy cores: longest runs first
+pytestmark = pytest.mark.slow(minutes=1.0)  # the module's time on two busy cores: longest runs first
 
 TOLERANCE = 1e-4
 SPARSE_ATTENTION = ops.sparse_attention.default

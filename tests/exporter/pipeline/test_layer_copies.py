@@ -25,7 +25,7 @@ from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import parse_recipe
 from b12x_toolchain.passes.kit import PassError, PassResult, count_nodes
 
-pytestmark = pytest.mark.slow(minutes=2)
+pytestmark = pytest.mark.slow(minutes=0.6)
 
 
 def canonical(graph_module) -> list:

@@ -23,6 +23,8 @@ from b12x_toolchain.runtime.package.checkpoint import INDEX
 from conftest import recipe_variant
 from paths import ROOT
 
+pytestmark = pytest.mark.slow(minutes=0.5)
+
 
 @pytest.fixture(scope="module")
 def small_structural(small_recipe, tmp_path_factory):

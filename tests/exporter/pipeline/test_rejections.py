@@ -15,6 +15,8 @@ from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 from b12x_toolchain.runtime.session.validate import BufferError
 from conftest import recipe_variant
 
+pytestmark = pytest.mark.slow(minutes=0.7)
+
 
 def _no_leftovers(directory):
     return sorted(p.name for p in directory.iterdir())

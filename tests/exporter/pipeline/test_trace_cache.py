@@ -16,7 +16,7 @@ from b12x_toolchain.exporter.pipeline import trace_cache
 from b12x_toolchain.exporter.pipeline.pass_export import PassJob, export_pass
 from b12x_toolchain.exporter.recipe.dims import Dims
 
-pytestmark = pytest.mark.slow(minutes=0.5)
+pytestmark = pytest.mark.slow(minutes=0.2)
 PIPELINE = ["fuse_window_snapshot"]
 
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE, OPSET_VERSION
 
-pytestmark = pytest.mark.slow(minutes=2.5)  # the module's time on two busy cores: longest runs first
+pytestmark = pytest.mark.slow(minutes=0.1)  # the module's time on two busy cores: longest runs first
 
 FUSED = "b12x_toolchain.window_snapshot_append.default"
 

@@ -38,6 +38,8 @@ from benchmarks.kernel_cases import (  # noqa: E402
     topk_args,
 )
 
+pytestmark = pytest.mark.slow(minutes=0.3)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REF = torch.ops.b12x_toolchain
 IDS = [sparse_case_id(c) for c in CASES]  # the cases: see kernel_cases.SPARSE_CASES

@@ -25,6 +25,8 @@ from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from runtime.package.manifests import contract_manifest, edited, read_back, refingerprint
 
+pytestmark = pytest.mark.slow(minutes=0.6)
+
 NULLS = dict(layer=None, stage=None, format=None, dims=None, ratio=None, rows_per_slot=None, page=None)
 
 

@@ -27,7 +27,7 @@ from b12x_toolchain.runtime.parallel.group import collective_counts
 from b12x_toolchain.runtime.parallel.mapping import Mapping
 from ranks import on_ranks
 
-pytestmark = pytest.mark.slow(minutes=2)
+pytestmark = pytest.mark.slow(minutes=1.2)
 
 
 @pytest.fixture(scope="module")

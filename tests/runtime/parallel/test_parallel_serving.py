@@ -28,7 +28,7 @@ from conftest import random_tokens, recipe_variant
 from decode_steps import incremental
 from ranks import on_ranks
 
-pytestmark = [pytest.mark.slow(minutes=3), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.slow(minutes=1.5), pytest.mark.usefixtures("one_torch_thread")]  # two rank processes
 
 # Teacher-forced: > 40 positions past both prompts, and past the 128-row window ring's first wrap.
 LENGTH, PROMPTS = 176, [40, 77]

@@ -15,6 +15,8 @@ from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
 from runtime.prefix.conftest import with_capabilities, with_manifest
 
+pytestmark = pytest.mark.slow(minutes=0.3)
+
 CHUNK = 64
 
 

@@ -15,7 +15,7 @@ REQUESTS, SLOTS = 64, 8
 COUNTERS = ("rows", "padding_rows", "drafted", "accepted", "bonus", "prefill_tokens", "admitted", "retired",
             "slot_reuse", "generated")
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.6)]
 
 
 def greedy_alone(package, prompt, max_new_tokens):

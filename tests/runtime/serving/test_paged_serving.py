@@ -17,7 +17,7 @@ from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from conftest import random_tokens
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.5)]
 
 REQUESTS, SLOTS = 64, 8
 TIGHT_PAGES = 24  # per pool: about three requests' worth of the longest prompts, for 8 slots

@@ -25,7 +25,7 @@ PENDING = 5  # the token after PROMPT, fixed so the next token has one target di
 SEED = 1234
 P_VALUE = 1e-3  # a correct sampler fails this test once in a thousand seeds; this seed passes
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.5)]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.session.compiled import CompiledGraph
 from conftest import random_tokens
 
-pytestmark = pytest.mark.slow(minutes=1.5)
+pytestmark = pytest.mark.slow(minutes=1.0)
 
 # Verify stages rows (the fused window snapshot among them) and commit writes the caches from the
 # staging; decode's compile (about 40 s) is left out: its cache writes are commit's ops, and

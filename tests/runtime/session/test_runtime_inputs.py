@@ -9,6 +9,8 @@ import paging
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from b12x_toolchain.runtime.session.validate import BufferError, InputError
 
+pytestmark = pytest.mark.slow(minutes=0.5)
+
 
 @pytest.fixture(scope="module")
 def specs(fused_pkg):
