@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from b12x_toolchain.runtime.serving.http.codec import TextStream
+from b12x_toolchain.runtime.serving.http.codec import AnswerText
 from b12x_toolchain.runtime.serving.http.engine_loop import Ticket, Update
 from b12x_toolchain.runtime.serving.http.errors import APIError, bad_request
 from b12x_toolchain.runtime.serving.http.protocol import Generation, parse
@@ -120,7 +120,7 @@ def create_app(service) -> FastAPI:
         ticket = Ticket(request_id, arrived)
         service.loop.submit(generation.request, ticket)
         shaper = Shaper(request_id, service.model_name, chat)
-        text = TextStream(service.codec, generation.stop_strings) if generation.text else None
+        text = AnswerText(service.codec, generation.stop_strings) if generation.text else None
         if generation.stream:
             # The status line waits for the first tokens, so a request the engine refuses gets its code.
             first = await watched_update(request, ticket, text)
@@ -130,22 +130,25 @@ def create_app(service) -> FastAPI:
                                      headers={"Cache-Control": "no-cache"})
         return await collect(request, ticket, shaper, text)
 
-    async def next_update(ticket: Ticket, text: TextStream | None) -> tuple[Update, str]:
-        """The next update and its new text; a stop string found in it cancels the request."""
+    async def next_update(ticket: Ticket, text: AnswerText | None) -> tuple[Update, str, list[int]]:
+        """The next update, its new text and the answer's ids in it; a stop string found in it
+        cancels the request."""
         update = await ticket.updates.get()
         if update.error is not None:
             raise update.error
-        piece = text.push(update.tokens) if text is not None else ""
-        if text is not None and text.stopped and update.finish_reason is None:
+        if text is None:
+            return update, "", update.tokens
+        piece, ids = text.push(update.tokens)
+        if text.stopped and update.finish_reason is None:
             service.loop.cancel(ticket.id, outcome="stop")
-        if text is not None and update.finish_reason is not None:
+        if update.finish_reason is not None:
             piece += text.finish()
-        return update, piece
+        return update, piece, ids
 
-    def finish_reason(update: Update, text: TextStream | None) -> str:
+    def finish_reason(update: Update, text: AnswerText | None) -> str:
         return "stop" if text is not None and text.stopped else update.finish_reason
 
-    async def watched_update(request: Request, ticket: Ticket, text: TextStream | None):
+    async def watched_update(request: Request, ticket: Ticket, text: AnswerText | None):
         """next_update, watching the client meanwhile: None, its request cancelled, once it has gone."""
         while True:
             try:
@@ -155,28 +158,27 @@ def create_app(service) -> FastAPI:
                     service.loop.cancel(ticket.id)
                     return None
 
-    async def collect(request: Request, ticket: Ticket, shaper: Shaper, text: TextStream | None):
+    async def collect(request: Request, ticket: Ticket, shaper: Shaper, text: AnswerText | None):
         pieces, ids = [], []
         while True:
-            stopped = text is not None and text.stopped  # ids after a stop string's update are not the answer's
             got = await watched_update(request, ticket, text)
             if got is None:
                 return Response(status_code=499)  # nobody reads it: the client is gone
-            update, piece = got
+            update, piece, answer = got
             pieces.append(piece)
-            ids += [] if stopped else update.tokens
+            ids += answer
             if update.finish_reason is not None:
                 break
         use = usage(update.prompt_tokens, update.completion_tokens, update.cached_tokens)
         return shaper.response("".join(pieces), ids, finish_reason(update, text), use)
 
-    async def stream(generation: Generation, ticket: Ticket, shaper: Shaper, text: TextStream | None, first):
+    async def stream(generation: Generation, ticket: Ticket, shaper: Shaper, text: AnswerText | None, first):
         finished, opening = False, True
-        update, piece = first
+        update, piece, answer = first
         try:
             while True:
-                if update.tokens or piece or opening:
-                    yield sse(shaper.chunk(piece, update.tokens, role=opening))
+                if answer or piece or opening:
+                    yield sse(shaper.chunk(piece, answer, role=opening))
                     opening = False
                 if update.finish_reason is not None:
                     finished = True
@@ -186,7 +188,7 @@ def create_app(service) -> FastAPI:
                                                            update.cached_tokens)))
                     break
                 try:
-                    update, piece = await next_update(ticket, text)
+                    update, piece, answer = await next_update(ticket, text)
                 except APIError as error:  # the engine failed mid-stream, long after the status line
                     metrics.refused.labels(str(error.status)).inc()
                     finished = True

@@ -2,8 +2,8 @@
 
 `load_codec(package)` is the codec, or None when the package ships no tokenizer; the
 server then serves token ids only and answers text with a 400 (errors.NO_TOKENIZER).
-`TextStream` turns the tokens a request gets, update by update, into the text to send,
-cut before the first stop string.
+`AnswerText` turns the tokens a request gets, update by update, into the text and token
+ids to send, cut at the first stop string.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ def encode_chat(codec, messages: list[dict]) -> list[int]:
     return codec.encode(codec.apply_chat_template(messages))
 
 
-class TextStream:
-    """Text of a growing token sequence, cut before the first stop string.
+class AnswerText:
+    """The answer's text and token ids, update by update, cut at the first stop string.
 
-    `push(tokens)` returns the newly completed text that is safe to send: text that could
-    still turn out to begin a stop string is held back until it cannot. `stopped` says a
-    stop string was found; nothing after it is ever returned. A token the tokenizer has no
-    text for (the model's vocabulary may be larger) adds none.
+    `push(tokens)` returns the newly completed text that is safe to send, and the ids among
+    `tokens` that belong to the answer: all of them, or once a stop string is found, those
+    up to the one whose text completed it (a speculative step's update can carry tokens
+    past it). Text that could still turn out to begin a stop string is held back until it
+    cannot. `stopped` says a stop string was found; nothing after it is ever returned. A
+    token the tokenizer has no text for (the model's vocabulary may be larger) adds none.
     """
 
     def __init__(self, codec, stop: list[str]):
@@ -37,13 +39,16 @@ class TextStream:
         self._held = ""
         self.stopped = False
 
-    def push(self, tokens: list[int]) -> str:
-        if self.stopped:
-            return ""
+    def push(self, tokens: list[int]) -> tuple[str, list[int]]:
+        text, answer = [], []
         for token in tokens:
+            if self.stopped:
+                break
+            answer.append(token)
             if token < self._vocab_size:
                 self._held += self._stream.push(token)
-        return self._release(final=False)
+                text.append(self._release(final=False))
+        return "".join(text), answer
 
     def finish(self) -> str:
         """What was held back, once no more tokens come (an unfinished character as U+FFFD)."""

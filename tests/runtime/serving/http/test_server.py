@@ -218,6 +218,10 @@ def test_text_prompts_chat_and_stop_strings(server, with_text):
     stop = text[2:4]
     cut = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # The ids stop with the token that completed the stop string (test_answer_text.py holds
+    # the exact cut on the shipped tokenizer; this random model's bytes decode to U+FFFD).
+    ids, text_of = cut.choices[0].token_ids, lambda ids: codec.decode([i for i in ids if i < codec.vocab_size])
+    assert ids == whole.choices[0].token_ids[: len(ids)] and stop in text_of(ids)
     cut = "".join(c.choices[0].text for c in api.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
                                                                      stop=stop, stream=True))
     assert cut == text[: text.index(stop)]
