@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -708,6 +709,16 @@ def environment(device: str) -> dict:
     return info
 
 
+def run_part(part, *args) -> None:
+    """One group of checks; one that raises is a failed check named for it, and the rest still run."""
+    try:
+        part(*args)
+    except Exception as error:  # a qualification reports every failure, not the first
+        traceback.print_exc()
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        record(f"{part.__name__} raised", False, f"{type(error).__name__}: {first_line}"[:300])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the checks as JSON here")
@@ -729,11 +740,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment(args.device)
     print("environment:", json.dumps(env), flush=True)
-    for part in (kernel_bytes, sparse_kernels, mhc_kernel, engram_kernels, fp8_linears, sessions):
-        part(args.device)
+    parts = [(part, (args.device,)) for part in (kernel_bytes, sparse_kernels, mhc_kernel, engram_kernels, fp8_linears, sessions)]
     if args.device == "cuda":
-        bandwidth()
-        sparse_timing()
+        parts += [(bandwidth, ()), (sparse_timing, ())]
+    for part, part_args in parts:
+        run_part(part, *part_args)
     elapsed = time.perf_counter() - started
     failed = [c.name for c in RESULTS if c.ok is False]
     print()

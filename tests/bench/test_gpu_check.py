@@ -52,3 +52,19 @@ def test_engram_check_of_the_script_passes_here():
     expected = ["engram hash 2x16, 3 orders x 2 heads", "engram lookup FP8 1x32 -> bf16"]
     assert [c.name for c in gpu_check.RESULTS] == expected + (["engram lookup, pinned host table in a CUDA graph"] if cuda else [])
     assert all(c.ok for c in gpu_check.RESULTS), [c.detail for c in gpu_check.RESULTS]
+
+
+def test_a_part_that_raises_is_a_failed_check_and_the_next_part_still_runs():
+    from benchmarks import gpu_check
+
+    def export_step(device):
+        raise RuntimeError(f"no kernel for {device}\nsecond line")
+
+    def next_step(device):
+        gpu_check.record("next", True, device)
+
+    gpu_check.RESULTS.clear()
+    gpu_check.run_part(export_step, "cuda")
+    gpu_check.run_part(next_step, "cuda")
+    assert [(c.name, c.ok, c.detail) for c in gpu_check.RESULTS] == [
+        ("export_step raised", False, "RuntimeError: no kernel for cuda"), ("next", True, "cuda")]
