@@ -58,8 +58,10 @@ def _hash_kernel(ids, lookback, out, tokens, pad_id, MULTIPLIERS: tl.constexpr, 
         r = r ^ (tl.where(blocked, pad_id, v) * MULTIPLIERS[k])
         if k > 0:
             for h in tl.static_range(HEADS):
-                c: tl.constexpr = (k - 1) * HEADS + h
-                tl.store(out_at + c, r % PRIMES[c] + OFFSETS[c], mask=live)
+                # Column (k - 1) * HEADS + h, written out each time: Triton before 3.7 refuses
+                # to bind a constexpr name again in a later unrolled iteration.
+                tl.store(out_at + (k - 1) * HEADS + h,
+                         r % PRIMES[(k - 1) * HEADS + h] + OFFSETS[(k - 1) * HEADS + h], mask=live)
 
 
 def engram_hash(ids: torch.Tensor, lookback: torch.Tensor, multipliers: list[int], primes: list[int],
