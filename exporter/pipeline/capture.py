@@ -51,6 +51,9 @@ def group_inputs(specs: list[BufferSpec]) -> tuple[dict, ...]:
 
 @contextmanager
 def no_stack_traces():
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):  # torch before 2.13: traces are kept (slower)
+        yield
+        return
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
