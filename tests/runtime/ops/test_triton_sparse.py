@@ -217,7 +217,7 @@ def test_gpu_check_sparse_rows_run_and_can_fail(monkeypatch):
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "RESULTS", [])
-    gpu_check.sparse_kernels("cpu", specs=[CASES[1]], extras=False)  # the launchers, in the interpreter
+    gpu_check.sparse_kernels(DEVICE, specs=[CASES[1]], extras=False)  # the launchers (in the interpreter without a GPU)
     assert [(c.name, c.ok) for c in gpu_check.RESULTS] == [(f"sparse ops {IDS[1]}", True)]
 
     class Wrong:  # the reference, off by one id / by 1e-3: every row must say so
@@ -233,7 +233,7 @@ def test_gpu_check_sparse_rows_run_and_can_fail(monkeypatch):
         def sparse_attention(*args):
             return REF.sparse_attention(*args) + 1e-3
 
-    problems = gpu_check.compare_sparse(Wrong, small_sparse_case(CASES[1]), "cpu", BLOCK_SIZE, BLOCKS, 5)
+    problems = gpu_check.compare_sparse(Wrong, small_sparse_case(CASES[1]), DEVICE, BLOCK_SIZE, BLOCKS, 5)
     assert [p.split(":")[0] for p in problems] == ["topk", "blocks", "topk in blocks", "attention top-k", "attention all"]
 
 
