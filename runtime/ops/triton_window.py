@@ -8,6 +8,11 @@ staging with the same code. Snapshot tiles copy ring rows as words (the widest i
 unit the row size and alignment allow); append tiles encode fp32 rows with the bit-exact
 codecs of `triton_codecs`.
 
+A request's history is HISTORY consecutive ring rows (wrapping at the ring's end) and lands in
+HISTORY consecutive staging rows, so the snapshot copies it as one flat run of words in
+tiles of COPY_WORDS, every lane busy: tiles of whole rows would pad each row to a power of
+two (a 528-byte record is 132 words, 256 lanes) and left half the lanes idle.
+
 The fused kernel encodes the block formats (V4.1 records, OCP MX); for the bit formats (bf16, fp32) the
 fused op runs the snapshot kernel and the row kernel back to back, with the same bytes.
 """
@@ -30,7 +35,7 @@ from b12x_toolchain.runtime.ops.triton_codecs import (
 )
 from b12x_toolchain.runtime.ops.triton_rows import CODES, tokens_per_tile, word_view
 
-COPY_TOKENS = 16  # ring rows per snapshot tile
+COPY_WORDS = 1024  # words per snapshot tile
 FUSABLE = {"dsv41_mxfp8": DSV41_MXFP8, "dsv41_nvfp4": DSV41_NVFP4, "dsv41_mxfp4": DSV41_MXFP4,
            "ocp_mxfp8": OCP_MXFP8, "ocp_mxfp4": OCP_MXFP4}
 
@@ -38,11 +43,11 @@ FUSABLE = {"dsv41_mxfp8": DSV41_MXFP8, "dsv41_nvfp4": DSV41_NVFP4, "dsv41_mxfp4"
 @triton.jit
 def _window(ring, stage_w, stage_b, kv, row_ids, positions,
             ring_s, stage_rw, stage_rb, kv_r, kv_t, COPY_TILES,
-            HISTORY: tl.constexpr, CAP: tl.constexpr, WPR: tl.constexpr, WPR_P2: tl.constexpr,
+            HISTORY: tl.constexpr, CAP: tl.constexpr, WPR: tl.constexpr,
             ROW_BYTES: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
-            FMT: tl.constexpr, COPY_TOK: tl.constexpr, TOK: tl.constexpr,
+            FMT: tl.constexpr, COPY_W: tl.constexpr, TOK: tl.constexpr,
             SNAPSHOT: tl.constexpr, APPEND: tl.constexpr):
-    """Program (r, tile): tiles below COPY_TILES copy history rows, the rest encode kv rows.
+    """Program (r, tile): tiles below COPY_TILES copy history words, the rest encode kv rows.
 
     staging[r, j] = ring[row_ids[r], (positions[r] - HISTORY + j) mod CAP] for j < HISTORY;
     staging[r, HISTORY + t] = encode(kv[r, t]) for t < WIDTH.
@@ -51,14 +56,14 @@ def _window(ring, stage_w, stage_b, kv, row_ids, positions,
     tile = tl.program_id(1)
     if SNAPSHOT:
         if tile < COPY_TILES:
-            j = tile * COPY_TOK + tl.arange(0, COPY_TOK)
+            f = tile * COPY_W + tl.arange(0, COPY_W).to(tl.int64)  # word f of the history
             slot = tl.load(row_ids + r).to(tl.int64)
-            src_tok = (tl.load(positions + r).to(tl.int64) - HISTORY + j) % CAP
-            src_tok = tl.where(src_tok < 0, src_tok + CAP, src_tok)  # either % semantics
-            w = tl.arange(0, WPR_P2)[None, :]
-            ok = (j < HISTORY)[:, None] & (w < WPR)
-            words = tl.load(ring + slot * ring_s + src_tok[:, None] * WPR + w, mask=ok)
-            tl.store(stage_w + r * stage_rw + j[:, None].to(tl.int64) * WPR + w, words, mask=ok)
+            first = (tl.load(positions + r).to(tl.int64) - HISTORY) % CAP
+            first = tl.where(first < 0, first + CAP, first)  # either % semantics
+            src = (first * WPR + f) % (CAP * WPR)  # past the ring's end: its start
+            ok = f < HISTORY * WPR
+            words = tl.load(ring + slot * ring_s + src, mask=ok)
+            tl.store(stage_w + r * stage_rw + f, words, mask=ok)
     if APPEND:
         if tile >= COPY_TILES:
             t = (tile - COPY_TILES) * TOK + tl.arange(0, TOK)
@@ -82,7 +87,7 @@ def _launch(ring, staging, kv, row_ids, positions, history: int, fmt: str | None
     else:
         ring_w, stage_w, ring_s = view, view, 0
     wpr = stage_w.shape[-1]
-    copy_tiles = triton.cdiv(history, COPY_TOKENS) if snapshot else 0
+    copy_tiles = triton.cdiv(history * wpr, COPY_WORDS) if snapshot else 0
     width = kv.shape[1] if append else 0
     dim = kv.shape[-1] if append else 32
     if append:
@@ -100,8 +105,8 @@ def _launch(ring, staging, kv, row_ids, positions, history: int, fmt: str | None
     _window[(rows, copy_tiles + append_tiles)](
         ring_w, stage_w, view, kv, ids, pos,
         ring_s, stage_w.stride(0), view.stride(0), kv.stride(0) if append else 0, kv.stride(1) if append else 0,
-        copy_tiles, HISTORY=history, CAP=cap, WPR=wpr, WPR_P2=triton.next_power_of_2(wpr), ROW_BYTES=row_bytes,
-        WIDTH=width, DIM=dim, DIM_P2=dim_p2, FMT=FUSABLE.get(fmt, OCP_MXFP8), COPY_TOK=COPY_TOKENS, TOK=tok,
+        copy_tiles, HISTORY=history, CAP=cap, WPR=wpr, ROW_BYTES=row_bytes,
+        WIDTH=width, DIM=dim, DIM_P2=dim_p2, FMT=FUSABLE.get(fmt, OCP_MXFP8), COPY_W=COPY_WORDS, TOK=tok,
         SNAPSHOT=snapshot, APPEND=append)
 
 
