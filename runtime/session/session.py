@@ -37,7 +37,7 @@ from b12x_toolchain.runtime.session.memory import default_fraction, free_bytes, 
 from b12x_toolchain.runtime.session.page_tables import PageTables
 from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.retarget import graph_on
-from b12x_toolchain.runtime.session.validate import BufferError, check_buffer, validate_inputs
+from b12x_toolchain.runtime.session.validate import BufferError, check_buffer, concrete_device, validate_inputs
 
 FUSED = ops.window_snapshot_append.default
 
@@ -75,7 +75,7 @@ class Session:
         in place by the lookup: package/weight_binding.py place_weights)."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
-        self.package, self.device = package, torch.device(device)
+        self.package, self.device = package, concrete_device(device)  # buffers are checked against it
         self.slots, self.scratch_slot = slots, slots  # one extra slot absorbs padding rows
         all_buckets = sorted({b for p in package.passes.values() for b in p.rows_buckets})
         self.max_rows = max_rows or all_buckets[-1]

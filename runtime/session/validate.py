@@ -14,6 +14,15 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.kinds import KINDS
 
 
+def concrete_device(device) -> torch.device:
+    """`device` as tensors on it report theirs: a bare "cuda" is the current CUDA device,
+    cuda:N (a tensor made on "cuda" says cuda:0, and torch.device("cuda") != "cuda:0")."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def check_buffer(spec: BufferSpec, tensor, shape: tuple, device: torch.device) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise BufferError(f"{spec.name}: expected a tensor, got {type(tensor).__name__}")
