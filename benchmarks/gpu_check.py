@@ -1,6 +1,6 @@
 """GPU qualification of the CUDA path, in one command on one CUDA device:
 
-    python benchmarks/gpu_check.py [--json PATH]
+    python benchmarks/gpu_check.py [--json PATH] [--packages DIR]
 
 It needs the `cuda` extra (torch with CUDA, triton) and takes a few minutes. It prints a
 line per check as it goes and a table last; the exit status is 0 only if every check
@@ -602,15 +602,28 @@ def replay_rate(fused, unfused) -> None:
             record(f"replays/s {pass_name} rows {rows}", f >= u, f"fused {f:,.0f}/s, unfused {u:,.0f}/s ({f / u:.3f}x)")
 
 
-def sessions(device: str) -> None:
+def tiny_packages(folder: Path | None):
+    """The tiny recipe's fused and unfused packages: exported here, or loaded from `folder`
+    (FOLDER/fused and FOLDER/unfused, as `b12x export --recipe dsv41-tiny [--no-fuse]` writes
+    them), so a GPU machine can qualify packages exported elsewhere, as a CI export step would."""
     from b12x_toolchain.exporter.pipeline.export import export_package
     from b12x_toolchain.exporter.recipe.loader import load_recipe
     from b12x_toolchain.runtime import load
 
+    if folder is not None:
+        found = {kind: sorted((folder / kind).glob("*.b12x")) for kind in ("fused", "unfused")}
+        for kind, paths in found.items():
+            if len(paths) != 1:
+                raise FileNotFoundError(f"{folder / kind}: expected one exported .b12x package, found {len(paths)}")
+        return load(found["fused"][0]), load(found["unfused"][0])
     with tempfile.TemporaryDirectory(prefix="b12x-gpu-check-") as tmp:
         recipe = load_recipe("dsv41-tiny")
-        fused_pkg = load(export_package(recipe, Path(tmp) / "fused").path)
-        unfused_pkg = load(export_package(recipe, Path(tmp) / "unfused", fuse=False).path)
+        return (load(export_package(recipe, Path(tmp) / "fused").path),
+                load(export_package(recipe, Path(tmp) / "unfused", fuse=False).path))
+
+
+def sessions(device: str, packages: Path | None = None) -> None:
+    fused_pkg, unfused_pkg = tiny_packages(packages)
     t = time.perf_counter()
     fused, unfused = open_session(fused_pkg, device), open_session(unfused_pkg, device)
     what = "every bucket of the 4 passes warmed up and captured" if device == "cuda" else "no capture on the CPU"
@@ -722,6 +735,8 @@ def run_part(part, *args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the checks as JSON here")
+    parser.add_argument("--packages", type=Path,
+                        help="the tiny recipe's packages exported elsewhere, in PATH/fused and PATH/unfused (default: export here)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: dry run of this script (Triton interpreter, no capture); proves nothing about a GPU")
     args = parser.parse_args(argv)
@@ -740,7 +755,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment(args.device)
     print("environment:", json.dumps(env), flush=True)
-    parts = [(part, (args.device,)) for part in (kernel_bytes, sparse_kernels, mhc_kernel, engram_kernels, fp8_linears, sessions)]
+    parts = [(part, (args.device,)) for part in (kernel_bytes, sparse_kernels, mhc_kernel, engram_kernels, fp8_linears)]
+    parts.append((sessions, (args.device, args.packages)))
     if args.device == "cuda":
         parts += [(bandwidth, ()), (sparse_timing, ())]
     for part, part_args in parts:

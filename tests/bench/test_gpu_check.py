@@ -68,3 +68,19 @@ def test_a_part_that_raises_is_a_failed_check_and_the_next_part_still_runs():
     gpu_check.run_part(next_step, "cuda")
     assert [(c.name, c.ok, c.detail) for c in gpu_check.RESULTS] == [
         ("export_step raised", False, "RuntimeError: no kernel for cuda"), ("next", True, "cuda")]
+
+
+def test_packages_exported_elsewhere_are_the_ones_qualified(fused_path, unfused_path, tmp_path):
+    import shutil
+
+    from benchmarks import gpu_check
+
+    for kind, path in (("fused", fused_path), ("unfused", unfused_path)):
+        shutil.copytree(path, tmp_path / kind / path.name)
+    fused, unfused = gpu_check.tiny_packages(tmp_path)
+    assert (fused.path, unfused.path) == (tmp_path / "fused" / fused_path.name, tmp_path / "unfused" / unfused_path.name)
+    manifest = lambda path: (path / "manifest.json").read_bytes()
+    assert manifest(fused.path) == manifest(fused_path) != manifest(unfused.path) == manifest(unfused_path)
+    shutil.rmtree(tmp_path / "unfused")
+    with pytest.raises(FileNotFoundError, match="unfused: expected one exported .b12x package, found 0"):
+        gpu_check.tiny_packages(tmp_path)
