@@ -216,6 +216,18 @@ def test_fused_and_unfused_window_kernels_write_the_reference_staging(width, row
     assert torch.equal(ring.cpu(), case["ring"])  # the snapshot only reads the ring
 
 
+@pytest.mark.parametrize("cap", (48, 100))
+def test_a_history_longer_than_the_ring_wraps_it_as_often_as_the_reference(cap):
+    # The snapshot kernel's one-wrap path holds only while history <= ring capacity.
+    case = window_case(torch.Generator().manual_seed(cap), 3, 8, 64, 16)
+    case["ring"] = case["ring"][:, :cap].contiguous()
+    want = case["staging"].clone()
+    REF.window_snapshot(case["ring"], want, case["row_ids"], case["positions"], 128, "NHD", 16)
+    ring, staging, row_ids, positions = _window_args(case, "ring", "staging", "row_ids", "positions")
+    triton_window.window_snapshot(ring, staging, row_ids, positions, 128, "NHD", 16)
+    assert torch.equal(staging.cpu(), want)
+
+
 @pytest.mark.parametrize("width,rows,dim,page", WINDOW_CASES)
 def test_commit_and_window_read_match_the_reference(width, rows, dim, page):
     case = window_case(torch.Generator().manual_seed(7 + width + rows + dim), rows, width, dim, page)
