@@ -11,7 +11,7 @@ codecs of `triton_codecs`.
 A request's history is HISTORY consecutive ring rows (wrapping at the ring's end) and lands in
 HISTORY consecutive staging rows, so the snapshot copies it as one flat run of words in
 tiles of COPY_WORDS, every lane busy: tiles of whole rows would pad each row to a power of
-two (a 528-byte record is 132 words, 256 lanes) and left half the lanes idle.
+two (a 528-byte record is 132 words, 256 lanes) and leave half the lanes idle.
 
 The fused kernel encodes the block formats (V4.1 records, OCP MX); for the bit formats (bf16, fp32) the
 fused op runs the snapshot kernel and the row kernel back to back, with the same bytes.
