@@ -36,6 +36,7 @@ from b12x_toolchain.runtime.package.manifest import (
     Weights,
     abi_fingerprint,
 )
+from b12x_toolchain.runtime.package.torch_versions import RANGE, release, running_torch, supported
 from b12x_toolchain.runtime.prefix.snapshot import capabilities as snapshot_capabilities
 
 
@@ -47,6 +48,22 @@ class ExportResult:
     seconds: dict[str, float] = field(default_factory=dict)  # per pass: capture, rewrites, serialisation
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # per pass: the same in CPU time
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # per pass: of the process that exported it
+
+
+# The oldest torch that exports: torch 2.11's export specialises the symbolic `rows` dimension
+# (a graph fixed to one bucket), and 2.13 is the oldest the exporter is checked on. The runtime
+# also runs on 2.11 and 2.12, but loads no package exported with a torch outside its range
+# (runtime/package/torch_versions.py), so export refuses those too.
+EXPORT_TORCH = (2, 13)
+
+
+def check_export_torch() -> None:
+    """Refuse to export on a torch that exports wrongly, or whose packages the runtime would refuse."""
+    running = running_torch()
+    if release(running) < EXPORT_TORCH:
+        raise ExportError(f"export needs torch >= {EXPORT_TORCH[0]}.{EXPORT_TORCH[1]}; this is torch {running}")
+    if not supported(running):
+        raise ExportError(f"export needs a torch whose packages the runtime loads ({RANGE}); this is torch {running}")
 
 
 def _version(dist: str) -> str:
@@ -134,6 +151,7 @@ def export_package(recipe, out_dir: Path, fuse: bool = True, weights: dict | Non
     tokenizer: a checkpoint's tokenizer (hf/tokenizer_files.py), carried as files with its
     manifest section, which needs format 4.4; without one the package is written as before.
     """
+    check_export_torch()
     d = Dims.from_recipe(recipe)
     check_computable_formats(d)
     if structural and weights is not None:

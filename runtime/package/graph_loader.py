@@ -26,13 +26,12 @@ import math
 import operator
 
 import torch
-from torch._export.serde.schema import SCHEMA_VERSION, ArgumentKind, Layout, MemoryFormat
 from torch._export.verifier import load_verifier
 from torch.export import exported_program as ep
 from torch.utils._pytree import TreeSpec, treespec_loads
 
 from b12x_toolchain.runtime.errors import PackageError
-from b12x_toolchain.runtime.package.graph_enums import LAYOUTS, MEMORY_FORMATS, device, dtype
+from b12x_toolchain.runtime.package.graph_enums import KEYWORD, POSITIONAL, device, dtype, layout, memory_format
 
 ST_DELIMITER = ";"  # torch's separator of stacked node metadata
 # Ops on symbolic scalars, which torch deserialises by position and names after their output.
@@ -72,6 +71,26 @@ def replay_graph(document: dict) -> ReplayGraph:
     return _Builder(document, describe=False).replay()
 
 
+# The graph schema the builder reads: major 8, any minor (torch 2.13's serialiser writes 8.20;
+# torch 2.11's an older minor of 8). torch bumps the minor only to add (fields with defaults, enum
+# values) and the major for anything else, and its own deserialiser reads every minor of its major.
+# This builder reads the JSON itself, so it needs neither the running torch's SCHEMA_VERSION nor
+# its deserialiser: fields added within major 8 are read with their defaults (a node's `name`, an
+# argument's `kind`, `is_single_tensor_return`, `guards_code`), and keys, argument kinds and enum
+# values it does not know are refused (graph_json.py, graph_enums.py). So a package's graphs read
+# alike on every torch the runtime supports (torch_versions.py), older minors and newer ones.
+GRAPH_SCHEMA_MAJOR = 8
+
+
+def _check_schema_version(version) -> None:
+    """Refuse a graph document of a schema major the builder does not read, naming both versions."""
+    if not (isinstance(version, dict) and type(version.get("major")) is int and type(version.get("minor")) is int):
+        raise PackageError(f"graph schema_version {str(version)[:80]!r}: expected {{'major': int, 'minor': int}}")
+    if version["major"] != GRAPH_SCHEMA_MAJOR:
+        raise PackageError(f"graph schema version {version['major']}.{version['minor']} is not one this runtime "
+                           f"reads ({GRAPH_SCHEMA_MAJOR}.x, any minor)")
+
+
 def _one(union: dict) -> tuple[str, object]:
     """(kind, value) of a serialised union: an object with one key."""
     (kind, value), = union.items()
@@ -80,9 +99,7 @@ def _one(union: dict) -> tuple[str, object]:
 
 class _Builder:
     def __init__(self, document: dict, describe: bool):
-        version = document["schema_version"]
-        if version["major"] != SCHEMA_VERSION[0] and (version["major"], version["minor"]) != (0, 0):
-            raise PackageError(f"graph schema version {version} is not torch's {SCHEMA_VERSION}")
+        _check_schema_version(document.get("schema_version"))
         self.document, self.module = document, document["graph_module"]
         self.symbols = None
         if describe:  # imported here: sympy and symbolic shapes take a second, and only values need them
@@ -196,9 +213,9 @@ class _Builder:
         if kind == "as_scalar_type":
             return dtype(value)
         if kind == "as_layout":
-            return LAYOUTS[Layout(value)]
+            return layout(value)
         if kind == "as_memory_format":
-            return MEMORY_FORMATS[MemoryFormat(value)]
+            return memory_format(value)
         if kind == "as_device":
             return device(value)
         if kind == "as_complex":
@@ -269,10 +286,10 @@ class _Builder:
             made = self.graph.create_node("call_function", target, args, kwargs, name)
             self._outputs(node, made)
         else:  # operator.getitem: arguments by position, or by name when the document names them
-            args = tuple(self._arg(a["arg"]) for a in node["inputs"] if a.get("kind") == ArgumentKind.POSITIONAL
+            args = tuple(self._arg(a["arg"]) for a in node["inputs"] if a.get("kind") == POSITIONAL
                          or a["name"] == "")
             kwargs = {a["name"]: self._arg(a["arg"]) for a in node["inputs"]
-                      if not (a.get("kind") == ArgumentKind.POSITIONAL or a["name"] == "")}
+                      if not (a.get("kind") == POSITIONAL or a["name"] == "")}
             made = self.graph.create_node("call_function", target, args, kwargs, name)
             self._outputs(node, made)
         made.meta.update(self._metadata(node.get("metadata", {})))
@@ -296,10 +313,10 @@ class _Builder:
         for schema_arg in target._schema.arguments:
             name = schema_arg.name
             if name in given:
-                if kinds[name] == ArgumentKind.POSITIONAL:
+                if kinds[name] == POSITIONAL:
                     args.append(given[name])
                     continue
-                if kinds[name] == ArgumentKind.KEYWORD and not keyword.iskeyword(name):
+                if kinds[name] == KEYWORD and not keyword.iskeyword(name):
                     kwargs[name] = given[name]
                     continue
             if not schema_arg.has_default_value() and not schema_arg.kwarg_only:

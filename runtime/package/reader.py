@@ -1,4 +1,4 @@
-"""Read a package: versions, file hashes and calling conventions are checked before use.
+"""Read a package: versions (the torch releases too), file hashes and calling conventions are checked before use.
 
 Loading never executes code from the package: the manifest is strict JSON, weights are
 safetensors, and graphs are torch.export archives whose entries and graph JSON are
@@ -28,6 +28,7 @@ from b12x_toolchain.runtime.package.conventions import PassEntry, shared_buffers
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.manifest import Manifest
 from b12x_toolchain.runtime.package.pass_graph import DIRECT, PassGraph, refuse_collectives
+from b12x_toolchain.runtime.package.torch_versions import check_package_torch
 from b12x_toolchain.runtime.package.weight_binding import bind_weights
 from b12x_toolchain.runtime.parallel.group import bind_group
 from b12x_toolchain.runtime.strict_json import load_document
@@ -299,6 +300,9 @@ def load(path, weights=None, rank: int | None = None, peer_timeout: float | None
         raise PackageError(f"{given}: not a package directory")
     root = given.resolve()  # the root may be a link (see above); what lies below it may not
     manifest = _read_manifest(root)  # every check read_manifest makes
+    # The torch releases: those of the export and of this process. Here, not in read_manifest:
+    # tools compare manifests on any torch, and manifests built in memory record none.
+    check_package_torch(manifest.versions.get("torch"))
     contents = _check_files(root, manifest)
     mapping = manifest.parallel
     conventions = _rank_conventions(manifest.passes, mapping, rank)

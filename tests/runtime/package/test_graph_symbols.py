@@ -21,10 +21,9 @@ EXPRS = [S0, "Integer(-3)", f"Mul(Integer(32), {S0})", f"Add({S0}, Integer(1))",
          "Symbol('u3', integer=True)", f"CeilToInt({S0})", f"Pow({S0}, Integer(2))"]
 
 
-def test_the_enum_tables_are_torchs():
-    assert graph_enums.DTYPES == serialize._SERIALIZE_TO_TORCH_DTYPE
-    assert graph_enums.LAYOUTS == serialize._SERIALIZE_TO_TORCH_LAYOUT
-    assert graph_enums.MEMORY_FORMATS == serialize._SERIALIZE_TO_TORCH_MEMORY_FORMAT
+def test_a_device_is_what_torch_makes_of_it():
+    # The enum tables are compared name by name in test_torch_versions.py: on torch 2.11 ours
+    # hold three values its serialiser lacks, so whole-table equality holds on 2.13 only.
     assert graph_enums.device({"type": "cpu", "index": None}) == serialize.deserialize_device(
         serialize.Device(type="cpu", index=None))
 
