@@ -1,4 +1,4 @@
-"""`b12x run`: serve one or more prompts from a package on CPU and report how it went."""
+"""`b12x run`: serve one or more prompts from a package (on CPU, or --device) and report how it went."""
 
 from __future__ import annotations
 
@@ -102,6 +102,9 @@ def _steps_table(steps: list[dict]) -> Table:
 @click.option("--show-ids", is_flag=True, help="Also print the generated token ids when the package has a tokenizer.")
 @click.option("--threads", type=click.IntRange(min=1),
               help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine.")
+@click.option("--device", default="cpu", show_default=True,
+              help="torch device of the session: cpu, cuda (the current CUDA device) or cuda:N; one torch "
+                   "cannot use is refused before anything runs.")
 @click.option("--prefix-cache-dir", type=click.Path(file_okay=False),
               help="Keep prompt snapshots here (L2, survives restarts) and in memory (L1); a later run "
                    "with the same prompt prefix skips prefilling it.")
@@ -121,9 +124,9 @@ def _steps_table(steps: list[dict]) -> Table:
               help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
                    "(half a minute to minutes per pass graph; cached locally, keyed by package, device and torch).")
 def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
-        cache_bytes, show_steps, show_ids, threads, prefix_cache_dir, prefix_cache_bytes, nproc, nnodes, node_rank,
-        rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port, compiled):
-    """Serve prompts from a package on CPU: many requests over reused slots, with a final report.
+        cache_bytes, show_steps, show_ids, threads, device, prefix_cache_dir, prefix_cache_bytes, nproc, nnodes,
+        node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port, compiled):
+    """Serve prompts from a package on CPU (or --device): many requests over reused slots, with a final report.
     A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
     from b12x_toolchain.runtime import PackageError, load
     from b12x_toolchain.runtime.prefix.cache import PrefixCache
@@ -165,7 +168,7 @@ def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, gr
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
                           model.vocab_size, model.max_seq_len)
         buckets = loaded.passes["verify"].rows_buckets
-        session = loaded.session(device="cpu", slots=slots or min(len(items), buckets[-1]), pages=pages,
+        session = loaded.session(device=device, slots=slots or min(len(items), buckets[-1]), pages=pages,
                                  cache_bytes=cache_bytes, compile=compiled,
                                  passes=passes_used(loaded.passes, speculative=not greedy))
         if prefix_cache_dir is not None or prefix_cache_bytes is not None:

@@ -36,7 +36,9 @@ from b12x_toolchain.exporter.cli.common import fail
               help="Largest request body; larger ones are answered 413.")
 @click.option("--grace-seconds", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM: how long running requests may take to finish before they are cancelled.")
-@click.option("--device", default="cpu", show_default=True, help="torch device of the session.")
+@click.option("--device", default="cpu", show_default=True,
+              help="torch device of the session: cpu, cuda (the current CUDA device) or cuda:N; one torch "
+                   "cannot use is refused before the server listens.")
 @click.option("--threads", type=click.IntRange(min=1), help="torch intra-op threads [default: torch's choice].")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
@@ -62,7 +64,7 @@ def serve(package, host, port, model_name, api_key, slots, pages, cache_bytes, g
                            max_queue=max_queue, api_key=api_key or None, max_body_bytes=max_body_bytes)
     try:
         service = Service(options)
-    except (PackageError, ValueError, OSError, RuntimeError) as exc:  # RuntimeError: torch's, for a bad --device
+    except (PackageError, ValueError, OSError, RuntimeError) as exc:  # RuntimeError: torch's, preparing the session
         fail(str(exc))
     try:
         server = Server(service, host, port, grace_seconds, log_level)

@@ -15,6 +15,11 @@ after the session was prepared, the graph would keep writing the old memory whil
 caller reads the new one; so every replay first compares the data pointers of the
 caller-owned buffers with those seen at capture (one pointer read per buffer) and
 refuses to run on a foreign buffer.
+
+On a CUDA device the runner reads the device's memory around each capture and adds what it
+took to `capture_memory` (memory.py: the graph pool and the kernels' workspaces, which no
+budget can know beforehand); a capture that runs out of device memory is a
+SessionMemoryError saying by how much the session does not fit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Mapping, Sequence
 import torch
 
 from b12x_toolchain.runtime.session.capture import CaptureBackend, CudaGraphCapture, Replayable
+from b12x_toolchain.runtime.session.memory import capture_out_of_memory, capture_taken, device_memory
 from b12x_toolchain.runtime.session.validate import BufferError
 
 WARMUP_STEPS = 2  # the first compiles and autotunes; the second runs what capture records
@@ -56,11 +62,16 @@ def default_capture(device: torch.device) -> CaptureBackend | None:
 
 
 class GraphRunner:
-    def __init__(self, device, owned: Sequence[Mapping[str, torch.Tensor]], capture: CaptureBackend | None = None):
+    def __init__(self, device, owned: Sequence[Mapping[str, torch.Tensor]], capture: CaptureBackend | None = None,
+                 measure=None):
         """capture: the backend that captures each bucket's step (capture.py); by default
-        CUDA graphs on a CUDA device and none elsewhere."""
+        CUDA graphs on a CUDA device and none elsewhere. measure(device) reads the device's
+        memory around each capture (memory.device_memory by default on a CUDA device, nothing
+        elsewhere; tests hand in a fake)."""
         self.device = torch.device(device)
         self.backend = capture if capture is not None else default_capture(self.device)
+        self._measure = measure if measure is not None else device_memory if self.device.type == "cuda" else None
+        self.capture_memory = {"graph_pool_bytes": 0, "workspace_bytes": 0}  # summed over captures
         self._owned = owned
         self._names = [name for mapping in owned for name in mapping]
         self._pointers = self._current()
@@ -80,7 +91,27 @@ class GraphRunner:
         """Take a prepared bucket; with a capture backend, warm it up and capture its step."""
         self._buckets.setdefault(pass_name, {})[bucket.rows] = bucket
         if self.captures:
-            self._graphs[(pass_name, bucket.rows)] = self._capture(bucket)
+            self._graphs[(pass_name, bucket.rows)] = self._measured(pass_name, bucket)
+
+    def _measured(self, pass_name: str, bucket) -> Replayable:
+        """_capture, with what it took added to capture_memory; running out of device memory
+        says by how much the session does not fit (memory.py), not only that an allocation failed."""
+        if self._measure is None:
+            return self._capture(bucket)
+        before = self._measure(self.device)
+        try:
+            graph = self._capture(bucket)
+        except torch.cuda.OutOfMemoryError as exc:
+            after = self._measure(self.device)
+            raise capture_out_of_memory(f"pass {pass_name}'s {bucket.rows}-row bucket", self.device,
+                                        self._add_taken(before, after), after.free, exc) from exc
+        self._add_taken(before, self._measure(self.device))
+        return graph
+
+    def _add_taken(self, before, after) -> dict[str, int]:
+        for key, value in capture_taken(before, after).items():
+            self.capture_memory[key] += value
+        return self.capture_memory
 
     def _capture(self, bucket) -> Replayable:
         self.check_buffers()  # a graph captured on a rebound buffer would fail every later check

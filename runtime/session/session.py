@@ -20,6 +20,7 @@ checks them.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -33,7 +34,14 @@ from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import place_weights
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
-from b12x_toolchain.runtime.session.memory import default_fraction, free_bytes, zeros
+from b12x_toolchain.runtime.session.memory import (
+    SessionMemoryError,
+    after_capture,
+    capture_headroom,
+    default_fraction,
+    free_bytes,
+    zeros,
+)
 from b12x_toolchain.runtime.session.page_tables import PageTables
 from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.retarget import graph_on
@@ -83,7 +91,7 @@ class Session:
         self.weights = place_weights(package.weights, self.device, package.manifest.weights.engram_tables,
                                      engram_tables)
         self.caches, self.staging = {}, {}
-        self.memory_budget = None  # what sized the default pools (_budget_counts), when it did
+        self.memory_budget = None  # what sized the default pools (_budget_counts), when it did; CUDA: + capture's
         page_specs = self._page_specs()
         self.pools = self._pools(page_specs, pages, cache_bytes, buffers or {}, contiguous, memory_fraction, passes)
         self._bind(buffers or {})
@@ -99,6 +107,9 @@ class Session:
         self.compile_cache = cache_dir(package, self.device, compile_cache) if self.compiled_passes else None
         # Only the passes it replays: each is deserialised when first prepared (pass_graph.py).
         self.buckets = {name: self._prepare(package.passes[name]) for name in self._replayed(passes)}
+        if self.device.type == "cuda":  # what capture took beside the budgeted buffers (memory.py)
+            self.memory_budget = after_capture(self.memory_budget, self.graphs.capture_memory,
+                                               free_bytes(self.device), self.device)
 
     def _replayed(self, passes) -> tuple[str, ...]:
         """The passes this session prepares: all (None) or those named, in the package's order."""
@@ -189,19 +200,34 @@ class Session:
             raise ValueError(f"memory_fraction={memory_fraction!r}: expected a number in (0, 1]")
         free = free_bytes(self.device)
         other = self._other_buffer_bytes(given, passes, first)
-        budget = max(int(fraction * free) - other, 0)
+        headroom = capture_headroom(self.device)  # CUDA: the graph pool and workspaces (memory.py)
+        budget = max(int(fraction * free) - other - headroom, 0)
         self.memory_budget = {"memory_fraction": fraction, "free_bytes": free, "other_bytes": other,
                               "budget_bytes": budget}
+        if headroom:
+            self.memory_budget["capture_headroom_bytes"] = headroom
         counts = {p: min(n, full[p]) for p, n in self._counts_for_bytes(budget, first, set_bytes).items()}
         if any(counts[p] < first[p].pages_per_slot for p in first):
             one = sum(first[p].pages_per_slot * set_bytes[p] for p in first)
-            raise ValueError(
+            # The smallest budget _counts_for_bytes turns into one request's pages of every pool: the
+            # tokens of the longest pool at its bytes per token, the float division's rounding searched.
+            tokens = max(first[p].pages_per_slot * first[p].tokens_per_page for p in first)
+            per_token = sum(set_bytes[p] / first[p].tokens_per_page for p in first)
+            needed = next(b for b in itertools.count(max(math.ceil(tokens * per_token) - 2, 0)) if all(
+                n >= first[p].pages_per_slot for p, n in self._counts_for_bytes(b, first, set_bytes).items()))
+            # Short of fraction * free (the budget itself stops at 0 when the other buffers outgrow it).
+            short = needed + other + headroom - int(fraction * free)
+            fits = math.ceil((needed + other + headroom) / free * 1000) / 1000 if free else math.inf
+            raise SessionMemoryError(
                 f"the page pools' memory budget is {budget} bytes ({fraction} of {free} bytes free on "
-                f"{self.device}, less {other} bytes of the session's other buffers); bytes per page: "
+                f"{self.device}, less {other} bytes of the session's other buffers"
+                + (f" and {headroom} bytes left for capture" if headroom else "") + "); bytes per page: "
                 + ", ".join(f"{set_bytes[p]} in pool {p}" for p in first)
                 + f"; one request of max_seq_len {self.package.manifest.model.max_seq_len} tokens needs "
                 + ", ".join(f"{first[p].pages_per_slot} pages of pool {p}" for p in first)
-                + f" ({one} bytes). Free memory, raise memory_fraction, or give pages or cache_bytes")
+                + f" ({one} bytes): {short} bytes short. Free {math.ceil(short / fraction)} bytes of memory, "
+                + (f"raise memory_fraction to at least {fits}, " if fits <= 1 else "")
+                + "or give pages or cache_bytes")
         return counts
 
     def _other_buffer_bytes(self, given: dict, passes, first: dict) -> int:

@@ -12,15 +12,15 @@ import torch
 from b12x_toolchain.runtime.errors import BufferError, InputError  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.kinds import KINDS
+from b12x_toolchain.runtime.session.device import session_device
 
 
 def concrete_device(device) -> torch.device:
     """`device` as tensors on it report theirs: a bare "cuda" is the current CUDA device,
-    cuda:N (a tensor made on "cuda" says cuda:0, and torch.device("cuda") != "cuda:0")."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    cuda:N (a tensor made on "cuda" says cuda:0, and torch.device("cuda") != "cuda:0").
+    A device the runtime cannot run on here is refused (device.py: the one check for the
+    loader API, `b12x run` and `b12x serve`)."""
+    return session_device(device)
 
 
 def check_buffer(spec: BufferSpec, tensor, shape: tuple, device: torch.device) -> None:

@@ -1,10 +1,15 @@
 """One engine, one thread, every connection: continuous batching behind the HTTP handlers.
 
+The loop thread builds the engine (`start`: its session is prepared, and its CUDA graphs
+captured, on this thread) and is then the only thread that touches it: a CUDA graph, the
+current device and the current stream are per thread, so graphs are replayed on the
+thread that captured them. What building raises is raised by `start`, in its caller.
+
 Handlers hand requests to the loop (`submit`) and read what it sends back from their
-`Ticket`; the loop thread alone touches the engine. Between two `engine.step()` calls it
-queues new requests, cancels those whose client went away (their slot and pages return
-before the next step), then steps and hands every request its new tokens. So requests
-join and leave the running batch at every step.
+`Ticket`. Between two `engine.step()` calls the loop queues new requests, cancels those
+whose client went away (their slot and pages return before the next step), then steps and
+hands every request its new tokens. So requests join and leave the running batch at every
+step.
 
 The queue is bounded: when `max_queue` requests already wait for a slot, `submit`
 refuses with 503 and Retry-After (0 admits only requests that find a free slot). `drain()` stops admitting (503); `stop()` cancels what
@@ -17,6 +22,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from b12x_toolchain.runtime.serving.http.errors import APIError
 from b12x_toolchain.runtime.serving.requests import Request, RequestState
@@ -56,8 +62,10 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics, max_queue: int):
-        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+    def __init__(self, build: Callable[[], object], metrics, max_queue: int):
+        """build() makes the engine; start() calls it on the loop thread."""
+        self.engine = None  # build()'s engine, once start() returned
+        self._build, self.metrics, self.max_queue = build, metrics, max_queue
         self.admitting = True
         self.failure: str | None = None  # the error that stopped the loop, if one did
         self._lock = threading.Lock()
@@ -66,12 +74,21 @@ class EngineLoop:
         self._cancels: list[tuple[str, str]] = []
         self._tracked: dict[str, _Tracked] = {}
         self._waiting = 0  # requests the engine holds without a slot, as of the last step
-        self._free = len(engine.free)  # free slots, as of the last step
+        self._free = 0  # free slots, as of the last step
         self._stopping = False
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="b12x-engine-loop", daemon=True)
 
     def start(self) -> None:
+        """Start the loop thread and return once it has built the engine; raise what building
+        raised (the thread has then ended)."""
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            error, self._build_error = self._build_error, None  # the frames it holds go with it
+            raise error
 
     # -- handler side (event-loop thread) ------------------------------------------------
 
@@ -114,6 +131,21 @@ class EngineLoop:
     # -- loop thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._build_engine():
+            self._serve()
+
+    def _build_engine(self) -> bool:
+        try:
+            self.engine = self._build()
+            self._free = len(self.engine.free)
+        except BaseException as exc:  # handed to start(), in the thread that waits for it
+            self._build_error = exc
+            return False
+        finally:
+            self._built.set()
+        return True
+
+    def _serve(self) -> None:
         while True:
             self._wake.clear()
             with self._lock:

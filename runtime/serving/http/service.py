@@ -1,5 +1,10 @@
 """What one server holds: the package, its session and engine, the prefix cache, the text codec,
 the engine loop and the metrics — built from the `b12x serve` options, closed in order.
+
+The session and its engine are built on the engine loop's thread (engine_loop.py), which
+replays them: CUDA graphs, the current device and the current stream are per thread. A
+session that cannot open (a device torch cannot use, memory that does not hold it) raises
+its error from Service(...), before the server listens.
 """
 
 from __future__ import annotations
@@ -33,36 +38,54 @@ class ServeOptions:
     max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    capture: object = None  # how the session captures each bucket (session/capture.py); default by device
 
 
 class Service:
     def __init__(self, options: ServeOptions):
         from b12x_toolchain.runtime import load
         from b12x_toolchain.runtime.prefix.cache import PrefixCache
-        from b12x_toolchain.runtime.serving.engine import Engine, passes_used
+        from b12x_toolchain.runtime.session.device import session_device
 
         self.options = options
         self.started = time.time()
+        # Checked first, and here: a bare "cuda" is the caller's current device, not the loop thread's.
+        self.device = session_device(options.device)
         self.package = load(options.package)
         model = self.package.manifest.model
         self.limits = Limits(model.vocab_size, model.max_seq_len)
         self.model_name = options.model_name or Path(options.package).name.removesuffix(".b12x")
-        slots = options.slots or self.package.passes["verify"].rows_buckets[-1]
-        self.session = self.package.session(device=options.device, slots=slots, pages=options.pages,
-                                            cache_bytes=options.cache_bytes,
-                                            passes=passes_used(self.package.passes, options.speculative))
+        self.codec = load_codec(self.package)
         self.prefix_cache = None
         if options.prefix_cache_dir is not None or options.prefix_cache_bytes is not None:
             budget = options.prefix_cache_bytes or DEFAULT_PREFIX_CACHE_BYTES
             self.prefix_cache = PrefixCache(self.package, l1_bytes=budget, l2_dir=options.prefix_cache_dir,
                                             l2_bytes=budget)
-        self.engine = Engine(self.session, speculative=options.speculative, temperature=options.temperature,
-                             top_p=options.top_p, seed=options.seed, prefix_cache=self.prefix_cache)
-        self.codec = load_codec(self.package)
         self.metrics = ServerMetrics()
-        self.loop = EngineLoop(self.engine, self.metrics, options.max_queue)
-        self.loop.start()
+        self.loop = EngineLoop(self._open_engine, self.metrics, options.max_queue)
+        try:
+            self.loop.start()  # builds the engine on the loop thread: _open_engine
+        except BaseException:
+            if self.prefix_cache is not None:
+                self.prefix_cache.close()
+            raise
+        self.engine = self.loop.engine
+        self.session = self.engine.session
         self._closed = False
+
+    def _open_engine(self):
+        """The session and its engine; runs on the engine loop's thread, which replays them."""
+        from b12x_toolchain.runtime.serving.engine import Engine, passes_used
+        from b12x_toolchain.runtime.session.device import make_current
+
+        options = self.options
+        make_current(self.device)  # CUDA: this thread's device, where its captures and replays launch
+        slots = options.slots or self.package.passes["verify"].rows_buckets[-1]
+        session = self.package.session(device=self.device, slots=slots, pages=options.pages,
+                                       cache_bytes=options.cache_bytes, capture=options.capture,
+                                       passes=passes_used(self.package.passes, options.speculative))
+        return Engine(session, speculative=options.speculative, temperature=options.temperature,
+                      top_p=options.top_p, seed=options.seed, prefix_cache=self.prefix_cache)
 
     def close(self, grace_seconds: float = 0.0) -> None:
         """Stop the engine loop (cancelling what still runs) and write the L2 prefix cache out."""

@@ -3,6 +3,7 @@ at max_seq_len; one max-length request must fit, or the session says what it wou
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,34 @@ def test_a_budget_too_small_for_one_max_length_request_says_what_it_needs(fused_
                                          rf"cpu, less {other} bytes of the session's other buffers\); bytes per "
                                          rf"page: {per_page}; one request of max_seq_len 1024 tokens needs "
                                          rf"{pages} \({one} bytes\)"):
+        fused_pkg.session(slots=SLOTS, memory_fraction=FRACTION)
+
+
+@pytest.mark.parametrize("short", [1, 40_000])
+def test_a_budget_too_small_says_by_how_many_bytes(fused_pkg, geometry, monkeypatch, short):
+    """The bytes missing from the budget, the memory to free for them (the fraction of it the
+    budget gets) and the memory_fraction that would hold one request."""
+    _, one, other = geometry
+    free = 2 * (other + one - short)  # FRACTION of it is exactly `short` bytes below one request
+    with_free(monkeypatch, free)
+    fits = math.ceil((one + other) / free * 1000) / 1000
+    with pytest.raises(ValueError, match=rf" \({one} bytes\): {short} bytes short. Free {2 * short} bytes of memory, "
+                                         rf"raise memory_fraction to at least {fits}, or give pages or cache_bytes$"):
+        fused_pkg.session(slots=SLOTS, memory_fraction=FRACTION)
+    with_free(monkeypatch, free + 2 * short)  # the memory it said to free: one request fits, to the byte
+    session = fused_pkg.session(slots=SLOTS, memory_fraction=FRACTION)
+    assert session.memory_budget["budget_bytes"] == one
+    assert {name: p.count for name, p in session.pools.items()} == {name: p.pages_per_slot
+                                                                   for name, p in session.pools.items()}
+
+
+def test_a_budget_the_other_buffers_outgrow_counts_them_in_what_is_short(fused_pkg, geometry, monkeypatch):
+    _, one, other = geometry
+    with_free(monkeypatch, other)  # half the other buffers: the budget itself stops at 0
+    short = one + other - other // 2
+    # No memory_fraction holds it: the other buffers alone are more than the memory free.
+    with pytest.raises(ValueError, match=rf"memory budget is 0 bytes .* {short} bytes short. Free {2 * short} "
+                                         rf"bytes of memory, or give pages or cache_bytes$"):
         fused_pkg.session(slots=SLOTS, memory_fraction=FRACTION)
 
 

@@ -10,6 +10,8 @@ from b12x_toolchain.runtime.session.validate import concrete_device
 
 
 def test_a_bare_cuda_is_the_current_cuda_device_and_others_stay(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # torch here may have no CUDA device:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)  # the device check (device.py) asks
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert concrete_device("cuda") == torch.device("cuda", 1)
     assert concrete_device(torch.device("cuda")) == torch.device("cuda", 1)
