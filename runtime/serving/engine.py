@@ -30,10 +30,11 @@ from collections.abc import Iterable
 import torch
 
 from b12x_toolchain.runtime.errors import PagesExhausted
-from b12x_toolchain.runtime.serving.drafts import confident_drafts, confident_lengths
+from b12x_toolchain.runtime.serving.drafts import Drafts, device_drafts
 from b12x_toolchain.runtime.serving.requests import Request, RequestState, check_request
-from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, margin, pick, probabilities
+from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, probabilities, top_two_gap
 from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
+from b12x_toolchain.runtime.session.transfers import download, to_device
 
 DECODE_PASSES = ("draft", "verify", "commit")
 
@@ -308,34 +309,47 @@ class Engine:
                     last[request.slot] = logits
                 if cache is not None and cache.boundary(request.length, len(request.prompt)):
                     cache.store(self.session, request.slot, request.prompt[: request.length], logits)
+        if not batch:
+            return deferred
+        device = self.session.device
+        firsts = self._choose(batch, torch.stack([last[r.slot].to(device) for r in batch]))
         now = time.perf_counter()
-        for request in batch:
-            logits = last[request.slot]
-            request.pending = pick(logits, request.temperature, request.generator, request.top_p)
+        for request, (token, gap) in zip(batch, firsts):
+            request.pending = token
             request.first_token_at = now
-            self._emit(request, [request.pending], [margin(logits)], stats)
+            self._emit(request, [token], [gap], stats)
             stats.prefill_tokens += len(request.prompt)
         return deferred
 
-    def _drafts(self, rows: list[RequestState], stats: StepStats):
-        """Draft tokens per row and, for sampled drafts from the draft pass, their distributions q."""
-        if not self.speculative:
-            return [[self.noise] * self.draft_width for _ in rows], None
-        if self.drafter is not None:
-            return self._external_drafts(rows), None
+    def _choose(self, rows: list[RequestState], logits: torch.Tensor) -> list[tuple[int, float]]:
+        """(token, margin) per row from logits [rows, vocab] on the device, in one transfer:
+        greedy rows take the argmax, sampled rows draw from their logits, fetched with it."""
+        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
+        host = download(lists={"targets": logits.argmax(-1), "margins": top_two_gap(logits)},
+                        tensors={"logits": logits.index_select(0, to_device(sampled, torch.int64, logits.device))}
+                        if sampled else None)
+        out = []
+        for i, request in enumerate(rows):
+            token = host["targets"][i]
+            if request.temperature > 0:
+                probs = probabilities(host["logits"][sampled.index(i)], request.temperature, request.top_p)
+                token = draw(probs, request.generator)
+            out.append((token, host["margins"][i]))
+        return out
+
+    def _drafts(self, rows: list[RequestState], stats: StepStats) -> Drafts:
+        """Each row's drafts and verify's block: noise without speculation, the drafter's on the
+        host, or the draft pass's, left on the device (drafts.py)."""
+        if not self.speculative or self.drafter is not None:
+            drafts = self._external_drafts(rows) if self.speculative else [[] for _ in rows]
+            block = [([r.pending] + d + [self.noise] * self.draft_width)[: self.draft_width + 1]
+                     for r, d in zip(rows, drafts)]
+            return Drafts(block=block, host=drafts)
         block = [[r.pending] + [self.noise] * (self.draft_width - 1) for r in rows]
         out = self._replay("draft", stats, token_ids=block, slot_ids=[r.slot for r in rows],
                            positions=[r.length for r in rows])
-        greedy = confident_drafts(out, self.session.package.manifest)
-        if all(r.temperature == 0 for r in rows):
-            return greedy, None
-        # Each sampled row draws from its own temperature and top-p; greedy rows keep their argmax drafts.
-        q = [probabilities(out["logits"][i], r.temperature, r.top_p) if r.temperature else None
-             for i, r in enumerate(rows)]
-        lengths = confident_lengths(out, self.session.package.manifest)
-        drafts = [[draw(q[i][j], r.generator) for j in range(n)] if q[i] is not None else greedy[i]
-                  for i, (r, n) in enumerate(zip(rows, lengths))]
-        return drafts, q
+        sampled = [(i, r.temperature, r.top_p, r.generator) for i, r in enumerate(rows) if r.temperature > 0]
+        return device_drafts(out, self.session.package.manifest, [r.pending for r in rows], self.noise, sampled)
 
     def _external_drafts(self, rows: list[RequestState]) -> list[list[int]]:
         drafts = [list(d) for d in self.drafter(rows)]
@@ -349,35 +363,59 @@ class Engine:
         return drafts
 
     def decode_group(self, rows: list[RequestState], stats: StepStats) -> None:
-        """draft -> verify -> accept -> commit for one group of rows (one decode replay without speculation)."""
+        """draft -> verify -> accept -> commit for one group of rows (one decode replay without
+        speculation). The draft pass's drafts stay on the device; after verify, one transfer
+        brings the target's picks, margins and (for sampled rows) distributions to the host,
+        which accepts and commits."""
         if self.decode_pass:
             return self._decode_one(rows, stats)
         slots, positions = [r.slot for r in rows], [r.length for r in rows]
         check_rows(slots, self.slots)
-        drafts, q = self._drafts(rows, stats)
+        drafts = self._drafts(rows, stats)
         # A block ended early (low draft confidence) is padded; acceptance stops at its end.
-        tokens = [([r.pending] + d + [self.noise] * self.draft_width)[: self.draft_width + 1] for r, d in zip(rows, drafts)]
-        logits = self._replay("verify", stats, token_ids=tokens, slot_ids=slots, positions=positions)["logits"]
+        logits = self._replay("verify", stats, token_ids=drafts.block, slot_ids=slots, positions=positions)["logits"]
+        host = self._verdict(rows, logits, drafts)
+        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         results = []
-        for i, (request, draft) in enumerate(zip(rows, drafts)):
-            if not self.speculative:
-                emitted = [pick(logits[i, 0], request.temperature, request.generator, request.top_p)]
-            elif request.temperature == 0:
-                emitted = accept_greedy(draft, logits[i])
+        for i, request in enumerate(rows):
+            draft = drafts.host[i] if drafts.host is not None else host["drafts"][i][: host["lengths"][i]]
+            targets = host["targets"][i]
+            if request.temperature == 0:
+                emitted = accept_greedy(draft, targets) if self.speculative else targets[:1]
             else:
-                p = probabilities(logits[i], request.temperature, request.top_p)
-                emitted = accept_sampled(draft, None if q is None else q[i], p, request.generator)
+                j = sampled.index(i)
+                p = probabilities(host["logits"][j], request.temperature, request.top_p)
+                if self.speculative:
+                    q = host["q"][j] if "q" in host else None
+                    emitted = accept_sampled(draft, q, p, request.generator)
+                else:
+                    emitted = [draw(p[0], request.generator)]
             accepted = len(emitted) - 1
-            stats.drafted += len(draft) if self.speculative else 0
+            stats.drafted += len(draft)
             stats.accepted += accepted
             request.accepted += accepted
-            results.append((emitted, [margin(logits[i, j]) for j in range(len(emitted))]))
+            results.append((emitted, host["margins"][i][: len(emitted)]))
         # Commit pending plus the accepted drafts; the last emitted token becomes pending.
         self._replay("commit", stats, slot_ids=slots, positions=positions,
                      accepted_tokens=[len(emitted) for emitted, _ in results])
         for request, (emitted, margins) in zip(rows, results):
             request.length += len(emitted)
             self._finish_step(request, emitted, margins, stats)
+
+    def _verdict(self, rows: list[RequestState], logits: torch.Tensor, drafts: Drafts) -> dict:
+        """What the host needs of a verify, in one transfer: the target's argmax and margins
+        per position, drafts left on the device and their lengths, and for sampled rows the
+        target's logits and the draft distributions they drew from."""
+        lists = {"targets": logits.argmax(-1), "margins": top_two_gap(logits)}
+        if drafts.tokens is not None:
+            lists |= {"drafts": drafts.tokens, "lengths": drafts.lengths}
+        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
+        tensors = {}
+        if sampled:
+            tensors["logits"] = logits.index_select(0, to_device(sampled, torch.int64, logits.device))
+            if drafts.q is not None:
+                tensors["q"] = drafts.q
+        return download(lists, tensors)
 
     def _decode_one(self, rows: list[RequestState], stats: StepStats) -> None:
         """One token per row through decode (or prefill), which writes the pending token's rows directly."""
@@ -387,10 +425,9 @@ class Engine:
         width = self.session.package.passes[name].width
         out = self._replay(name, stats, token_ids=[[r.pending] + [0] * (width - 1) for r in rows],
                            slot_ids=slots, positions=[r.length for r in rows], new_tokens=[1] * len(rows))
-        for i, request in enumerate(rows):
-            token = pick(out["logits"][i, 0], request.temperature, request.generator, request.top_p)
+        for request, (token, gap) in zip(rows, self._choose(rows, out["logits"][:, 0])):
             request.length += 1
-            self._finish_step(request, [token], [margin(out["logits"][i, 0])], stats)
+            self._finish_step(request, [token], [gap], stats)
 
     def _finish_step(self, request: RequestState, emitted: list[int], margins: list[float], stats: StepStats) -> None:
         request.pending = emitted[-1]

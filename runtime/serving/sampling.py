@@ -28,6 +28,28 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) 
     return nucleus(probs, top_p) if top_p < 1.0 else probs
 
 
+def probabilities_on_device(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """`probabilities` computed where the logits are (float64 too): the draft distributions
+    sampled rows draw from on the device, which acceptance then reads back as they are."""
+    probs = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
+    return nucleus(probs, top_p) if top_p < 1.0 else probs
+
+
+def draw_inverse(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per distribution of `probs` [..., V], by inverse CDF at `uniforms` [...] in
+    [0, 1): the first token whose cumulative mass exceeds u * total. A token of no mass never
+    is (its cumulative mass equals its predecessor's); the clamp absorbs rounding at the top."""
+    cdf = probs.cumsum(-1)
+    point = (uniforms * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def top_two_gap(logits: torch.Tensor) -> torch.Tensor:
+    """`margin` of every row of logits [..., V], computed where they are."""
+    top = logits.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """`probs` (last dim: the vocabulary) cut to the most likely tokens holding top_p of the mass, renormalized.
 
@@ -51,13 +73,12 @@ def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None, 
     return draw(probabilities(logits, temperature, top_p), gen)
 
 
-def accept_greedy(drafts: list[int], logits: torch.Tensor) -> list[int]:
+def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     """Emitted tokens for one row: the accepted drafts (equal to the target's picks) plus the bonus.
 
-    logits[j] is the target's distribution for the token after draft j (row 0: after the
-    pending token), so len(logits) == len(drafts) + 1.
+    targets[j] is the target's argmax after draft j (row 0: after the pending token), so
+    len(targets) >= len(drafts) + 1.
     """
-    targets = logits.argmax(-1).tolist()
     k = 0
     while k < len(drafts) and drafts[k] == targets[k]:
         k += 1
@@ -75,7 +96,7 @@ def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, g
         q_token = 1.0 if q is None else float(q[j, token])
         p_token = float(p[j, token])
         # u < p/q, written without the division: q_token == 0 keeps any draft p allows.
-        if float(torch.rand((), generator=gen, dtype=torch.float64)) * q_token < p_token:
+        if float(torch.rand((), generator=gen, dtype=torch.float64, device=gen.device)) * q_token < p_token:
             out.append(token)
             continue
         if q is None:

@@ -178,7 +178,7 @@ class PageTables:
             for page in ids:
                 self.pools[name].retain(page)
             self.held[name][slot] = list(ids)
-            self.tables[name][slot, : len(ids)] = torch.tensor(ids, dtype=torch.int32)  # one copy, not one per page
+            self.tables[name][slot, : len(ids)] = torch.tensor(ids, dtype=torch.int32, device=self.tables[name].device)  # one copy, not one per page
 
     def fill(self, slot: int, data: dict[str, dict[str, torch.Tensor]]) -> None:
         """Give an empty slot new pages holding `data` (pool -> cache name -> [n, page_bytes])."""
@@ -207,6 +207,11 @@ class PageTables:
         for name, pool in self.pools.items():
             pool.unreserve(self.reserved[name][slot])
             self.reserved[name][slot] = 0
+
+    def row(self, pool: str, slot: int) -> list[int]:
+        """The slot's block-table row of `pool`, read from the host mirror (never the device)."""
+        held = self.held[pool][slot]
+        return held + [-1] * (self.pools[pool].pages_per_slot - len(held))
 
     def free_pages(self) -> dict[str, list[int]]:
         """Pages no slot or snapshot holds (their bytes are garbage a replay must never read)."""

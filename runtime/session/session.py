@@ -45,7 +45,14 @@ from b12x_toolchain.runtime.session.memory import (
 from b12x_toolchain.runtime.session.page_tables import PageTables
 from b12x_toolchain.runtime.session.pages import PagePool, PagesExhausted
 from b12x_toolchain.runtime.session.retarget import graph_on
-from b12x_toolchain.runtime.session.validate import BufferError, check_buffer, concrete_device, validate_inputs
+from b12x_toolchain.runtime.session.transfers import upload
+from b12x_toolchain.runtime.session.validate import (
+    BufferError,
+    OnDevice,
+    check_buffer,
+    concrete_device,
+    validate_inputs,
+)
 
 FUSED = ops.window_snapshot_append.default
 
@@ -300,45 +307,53 @@ class Session:
         Values are given by input kind (kinds.py) — token_ids, slot_ids, positions, the
         pass's count (new_tokens or accepted_tokens) and, for caller-owned pages, a block
         table per pool (entry_block_table, index_key_block_table) — never by the names the
-        exporter gave the inputs. Outputs are keyed by kind too (logits, ...)."""
+        exporter gave the inputs. Outputs are keyed by kind too (logits, ...).
+
+        Values are host data (lists or CPU tensors), checked on the host against the
+        session's own bookkeeping, then copied up without waiting: a replay never waits for
+        the device. token_ids may instead be `OnDevice(tensor)`, computed on the device from
+        a pass's outputs (validate.py)."""
         if pass_name not in self.buckets:
             raise ValueError(f"unknown pass {pass_name!r}; this package has {sorted(self.buckets)}")
         info = self.package.passes[pass_name]
-        tensors = validate_inputs(self, info, values)
-        n = tensors["slot_ids"].shape[0]
+        host = validate_inputs(self, info, values)
+        n = len(host["slot_ids"])
         if info.block_tables and not any(KINDS[kind].pool for kind in values):
-            self._give_pages(info, tensors)
+            self._give_pages(info, host)
         bucket = self.bucket_for(pass_name, n)
         for name, static in bucket.inputs.items():
-            static[:n].copy_(tensors[info.input_kinds[name]])
-            static[n:] = bucket.padding[name]
+            value, pad = host[info.input_kinds[name]], bucket.padding[name]
+            if isinstance(value, OnDevice):
+                static[:n].copy_(value.tensor)
+                static[n:] = pad
+            else:  # padding rows are written with the real ones: one copy per input
+                upload(static, value + [[pad] * static.shape[1] if static.dim() == 2 else pad] * (bucket.rows - n))
         self.graphs.replay(pass_name, bucket)  # CUDA: one graph replay; CPU: the graph, run directly
-        self._advance(info, tensors)
+        self._advance(info, host)
         return {info.output_kinds[name]: out[:n] for name, out in bucket.outputs.items()}
 
-    def _give_pages(self, info, tensors: dict) -> None:
+    def _give_pages(self, info, host: dict) -> None:
         """Session-owned pages: grow each row's pages to what the pass reads and writes, then
-        take its block tables from the session's. Nothing is written unless every row fits."""
-        slots, starts = tensors["slot_ids"].tolist(), tensors["positions"].tolist()
-        counts = tensors[info.advances_kind].tolist() if info.advances else [0] * len(slots)
+        take its block-table rows from the host mirror of the session's tables (page_tables.py).
+        Nothing is written unless every row fits."""
+        slots, starts = host["slot_ids"], host["positions"]
+        counts = host[info.advances_kind] if info.advances else [0] * len(slots)
         try:
             self.pages.grow([(slot, start, start + count) for slot, start, count in zip(slots, starts, counts)])
         except PagesExhausted as exc:
             raise PagesExhausted(f"pass {info.name}: {exc}") from None
-        index = tensors["slot_ids"].long()
         for pool, name in info.block_tables.items():
-            tensors[info.input_kinds[name]] = self.pages.tables[pool][index]
+            host[info.input_kinds[name]] = [self.pages.row(pool, slot) for slot in slots]
 
     def weights_for(self, info) -> dict:
         return {s.name: self.weights[s.name] for s in info.inputs if s.role == "weight"}
 
-    def _advance(self, info, tensors: dict) -> None:
+    def _advance(self, info, host: dict) -> None:
         """Mirror what the graph wrote to the seq_len cache: the pass's `advances` input says
         how many rows became persistent (the manifest records it; no pass name decides it)."""
         if info.advances is None:
             return
-        slots, positions, counts = tensors["slot_ids"], tensors["positions"], tensors[info.advances_kind]
-        for slot, pos, count in zip(slots.tolist(), positions.tolist(), counts.tolist()):
+        for slot, pos, count in zip(host["slot_ids"], host["positions"], host[info.advances_kind]):
             self.seq_lens[slot] = pos + count
 
     def reset_slot(self, slot: int) -> None:
