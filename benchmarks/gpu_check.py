@@ -1,6 +1,6 @@
 """GPU qualification of the CUDA path, in one command on one CUDA device:
 
-    python benchmarks/gpu_check.py [--json PATH] [--packages DIR]
+    python benchmarks/gpu_check.py [--json PATH] [--packages DIR] [--quick]
 
 It needs the `cuda` extra (torch with CUDA, triton) and takes a few minutes. It prints a
 line per check as it goes and a table last; the exit status is 0 only if every check
@@ -13,8 +13,8 @@ passed. Checks, for the tiny recipe and the full-size window writer shapes:
 * fused vs unfused sessions of the tiny recipe on CUDA: staging and persistent cache
   bytes and logits identical after draft -> verify -> commit steps with every reusable
   buffer poisoned before each replay, rows 1 and 3;
-* CUDA vs CPU sessions from the same cache bytes: the history snapshot in staging is
-  identical (the appended rows come from float math that legitimately differs);
+* CUDA vs CPU sessions from the same cache bytes and page tables: the history snapshot in
+  staging is identical (the appended rows come from float math that legitimately differs);
 * `torch.cuda.memory_allocated` unchanged over 100 replays;
 * kernel nodes of every captured graph, counted through the CUDA graph API: the fused
   graph has exactly one fewer per fused window layer;
@@ -34,8 +34,16 @@ passed. Checks, for the tiny recipe and the full-size window writer shapes:
   worst element's share of its bound), the dispatched op equal to the chosen dot, and
   the full-size cases timed by dot in CUDA graphs.
 
+Every timed kernel also gets a roofline: the bytes it must move and the FLOPs it must do
+(`kernel_cases`' work functions), the card's peaks (`PEAKS`; an unknown card's bandwidth is
+measured) and the floor time they give, printed as floor / measured.
+
+`--packages DIR` loads packages exported elsewhere with the runtime alone (a row says no
+exporter module was imported): the GPU machine's torch may be one that cannot export.
 `--device cpu` runs what it can on the CPU (kernels in Triton's interpreter, sessions
-without capture); it checks this script, and proves nothing about a GPU.
+without capture); it checks this script, and proves nothing about a GPU. `--quick` takes one
+case of each kernel group. `--json` is rewritten after every part, so a run stopped by a
+timeout keeps the parts it finished.
 """
 
 from __future__ import annotations
@@ -70,21 +78,31 @@ class Check:
     name: str
     ok: bool | None  # None: informational
     detail: str
+    roofline: dict | None = None  # a timed kernel: its floor time against the measured one (`roofline`)
 
 
 RESULTS: list[Check] = []
 
 
-def record(name: str, ok: bool | None, detail: str) -> None:
-    RESULTS.append(Check(name, ok, detail))
+def record(name: str, ok: bool | None, detail: str, roofline: dict | None = None) -> None:
+    RESULTS.append(Check(name, ok, detail, roofline))
     mark = {True: "PASS", False: "FAIL", None: "info"}[ok]
-    print(f"[{mark}] {name}: {detail}", flush=True)
+    floor = f" [{roofline['fraction']:.0%} of the roofline floor]" if roofline else ""
+    print(f"[{mark}] {name}: {detail}{floor}", flush=True)
 
 
 # ---------------------------------------------------------------- kernel bytes
 
 
-def kernel_bytes(device: str) -> None:
+# Window writer cases (width, rows, dim, page size) and row-op records (format, dim); --quick
+# (a dry run of the script) takes one of each: three rows (a padded bucket), the first format.
+WINDOW_CASES = [(w, r, d, p) for w in (8, 7) for r in (1, 3) for d, p in ((64, 16), (512, 64))]
+QUICK_WINDOW_CASES = [(8, 3, 64, 16)]
+ROW_FORMATS = [("dsv41_mxfp8", 64), ("dsv41_mxfp8", 512), ("dsv41_nvfp4", 64), ("dsv41_nvfp4", 512), ("dsv41_mxfp4", 32),
+               ("dsv41_mxfp4", 128), ("ocp_mxfp8", 512), ("ocp_mxfp4", 128), ("fp32", 128)]
+
+
+def kernel_bytes(device: str, quick: bool = False) -> None:
     import torch
 
     from b12x_toolchain.runtime.formats.codecs import get_format
@@ -97,36 +115,33 @@ def kernel_bytes(device: str) -> None:
     win = triton_window if device == "cpu" else R
     rows_ops = triton_rows if device == "cpu" else R
 
-    for width in (8, 7):
-        for rows in (1, 3):
-            for dim, page in ((64, 16), (512, 64)):
-                name = f"kernel bytes w{width} r{rows} d{dim}"
-                case = window_case(torch.Generator().manual_seed(width * 1000 + rows * 10 + dim), rows, width, dim, page)
-                ref = case["staging"].clone()
-                R.window_snapshot_append(case["ring"], ref, case["kv"], case["row_ids"], case["positions"], 128, "NHD", page, "dsv41_mxfp8")
-                ref_unfused = case["staging"].clone()
-                R.window_snapshot(case["ring"], ref_unfused, case["row_ids"], case["positions"], 128, "NHD", page)
-                R.cache_append(ref_unfused, case["kv"], 128, "NHD", page, "dsv41_mxfp8")
-                g = {k: v.to(device) for k, v in case.items()}
-                fused, unfused = g["staging"].clone(), g["staging"].clone()
-                win.window_snapshot_append(g["ring"], fused, g["kv"], g["row_ids"], g["positions"], 128, "NHD", page, "dsv41_mxfp8")
-                win.window_snapshot(g["ring"], unfused, g["row_ids"], g["positions"], 128, "NHD", page)
-                win.cache_append(unfused, g["kv"], 128, "NHD", page, "dsv41_mxfp8")
-                ring_ref = case["ring"].clone()
-                R.window_commit(ring_ref, ref, case["row_ids"], case["positions"], case["accept_len"], 128, width)
-                win.window_commit(g["ring"], fused, g["row_ids"], g["positions"], g["accept_len"], 128, width)
-                ok = {
-                    "fused staging = CPU": torch.equal(fused.cpu(), ref),
-                    "unfused staging = CPU": torch.equal(unfused.cpu(), ref),
-                    "CPU fused = CPU unfused": torch.equal(ref, ref_unfused),
-                    "persistent ring = CPU": torch.equal(g["ring"].cpu(), ring_ref),
-                }
-                record(name, all(ok.values()), ", ".join(k for k, v in ok.items() if not v) or "staging and ring identical")
+    for width, rows, dim, page in QUICK_WINDOW_CASES if quick else WINDOW_CASES:
+        name = f"kernel bytes w{width} r{rows} d{dim}"
+        case = window_case(torch.Generator().manual_seed(width * 1000 + rows * 10 + dim), rows, width, dim, page)
+        ref = case["staging"].clone()
+        R.window_snapshot_append(case["ring"], ref, case["kv"], case["row_ids"], case["positions"], 128, "NHD", page, "dsv41_mxfp8")
+        ref_unfused = case["staging"].clone()
+        R.window_snapshot(case["ring"], ref_unfused, case["row_ids"], case["positions"], 128, "NHD", page)
+        R.cache_append(ref_unfused, case["kv"], 128, "NHD", page, "dsv41_mxfp8")
+        g = {k: v.to(device) for k, v in case.items()}
+        fused, unfused = g["staging"].clone(), g["staging"].clone()
+        win.window_snapshot_append(g["ring"], fused, g["kv"], g["row_ids"], g["positions"], 128, "NHD", page, "dsv41_mxfp8")
+        win.window_snapshot(g["ring"], unfused, g["row_ids"], g["positions"], 128, "NHD", page)
+        win.cache_append(unfused, g["kv"], 128, "NHD", page, "dsv41_mxfp8")
+        ring_ref = case["ring"].clone()
+        R.window_commit(ring_ref, ref, case["row_ids"], case["positions"], case["accept_len"], 128, width)
+        win.window_commit(g["ring"], fused, g["row_ids"], g["positions"], g["accept_len"], 128, width)
+        ok = {
+            "fused staging = CPU": torch.equal(fused.cpu(), ref),
+            "unfused staging = CPU": torch.equal(unfused.cpu(), ref),
+            "CPU fused = CPU unfused": torch.equal(ref, ref_unfused),
+            "persistent ring = CPU": torch.equal(g["ring"].cpu(), ring_ref),
+        }
+        record(name, all(ok.values()), ", ".join(k for k, v in ok.items() if not v) or "staging and ring identical")
 
     # Every V4.1 record at the tiny and full recipes' dims (CUDA bytes = the CPU reference, which
     # tests/runtime/formats/test_flashinfer_records.py holds to FlashInfer's encoder), plus OCP.
-    for fmt, dim in (("dsv41_mxfp8", 64), ("dsv41_mxfp8", 512), ("dsv41_nvfp4", 64), ("dsv41_nvfp4", 512),
-                     ("dsv41_mxfp4", 32), ("dsv41_mxfp4", 128), ("ocp_mxfp8", 512), ("ocp_mxfp4", 128), ("fp32", 128)):
+    for fmt, dim in ROW_FORMATS[:1] if quick else ROW_FORMATS:
         gen = torch.Generator().manual_seed(dim)
         values = kv_rows(gen, 3, 8, dim)
         nbytes = get_format(fmt).row_bytes(dim)
@@ -233,7 +248,7 @@ def sparse_kernels(device: str, specs=None, extras: bool = True) -> None:
                "; ".join(problems) or "top-k, blocks, top-k in blocks identical; attention within 1e-5")
 
 
-def mhc_kernel(device: str) -> None:
+def mhc_kernel(device: str, quick: bool = False) -> None:
     """hc_sinkhorn's kernel against the CPU reference (float32 rounding, not bitwise)."""
     import torch
 
@@ -242,7 +257,7 @@ def mhc_kernel(device: str) -> None:
 
     # On CUDA through the dispatcher; on the CPU dry run the launcher, in the interpreter.
     kernel = triton_mhc.hc_sinkhorn if device == "cpu" else R.hc_sinkhorn
-    for shape in ((1, 1, 4, 4), (4, 8, 4, 4), (8, 64, 4, 4)):
+    for shape in ((1, 1, 4, 4), (4, 8, 4, 4), (8, 64, 4, 4))[: 1 if quick else 3]:
         logits = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 4
         got = kernel(logits.to(device, copy=True), 20, 1e-6).cpu()
         error = (got - R.hc_sinkhorn(logits, 20, 1e-6)).abs().max().item()
@@ -285,6 +300,70 @@ def engram_kernels(device: str) -> None:
     record("engram lookup, pinned host table in a CUDA graph", same, "rows read in place from host memory equal the reference")
 
 
+# ---------------------------------------------------------------- roofline
+
+# The datasheets' peak rates of known cards, by a fragment of the device name (first match
+# wins, so the H100's PCIe and NVL forms come before the SXM's plain "H100"): HBM bytes/s and
+# dense bf16 / fp8 tensor-core FLOP/s. An unknown card's bandwidth is measured (a device
+# copy, bytes read plus written) and its FLOPs bound nothing.
+PEAKS = (
+    ("H100 PCIe", {"bytes": 2.0e12, "bf16": 756e12, "fp8": 1513e12}),
+    ("H100 NVL", {"bytes": 3.9e12, "bf16": 835e12, "fp8": 1671e12}),
+    ("H200", {"bytes": 4.8e12, "bf16": 989e12, "fp8": 1979e12}),
+    ("H100", {"bytes": 3.35e12, "bf16": 989e12, "fp8": 1979e12}),
+)
+COPY_BYTES = 1 << 30  # the unknown card's bandwidth probe
+_card: dict = {}
+
+
+def peaks_for(name: str) -> dict | None:
+    return next((dict(rates, card=fragment) for fragment, rates in PEAKS if fragment in name), None)
+
+
+def card_peaks() -> dict:
+    """This run's card's peaks (measured once when the card is not in PEAKS)."""
+    import torch
+
+    if not _card:
+        name = torch.cuda.get_device_name()
+        _card.update(peaks_for(name) or {"bytes": copy_bandwidth(), "bf16": None, "fp8": None,
+                                         "card": f"{name}: bandwidth measured"})
+    return _card
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * COPY_BYTES / _graph_seconds(lambda: dst.copy_(src))
+
+
+def roofline(seconds: float, work: dict, peaks: dict) -> dict:
+    """A timed kernel against its floor: the longer of moving its bytes at the card's bandwidth
+    and doing its FLOPs at the card's dot rate; `fraction` = floor / measured (1 = at the roof)."""
+    memory = work["bytes"] / peaks["bytes"]
+    rate = peaks.get(work["dot"])
+    compute = work["flops"] / rate if rate and work["flops"] else 0.0
+    floor = max(memory, compute)
+    return {"seconds": seconds, **work, "floor_seconds": floor, "fraction": floor / seconds,
+            "bound": "compute" if compute > memory else "memory", "peaks": peaks["card"]}
+
+
+def roofline_table() -> str:
+    rows = [c for c in RESULTS if c.roofline]
+    if not rows:
+        return ""
+    width = max(len(c.name) for c in rows)
+    lines = [f"{'kernel':<{width}}  measured  bytes      FLOPs      floor     floor/measured  bound",
+             f"{'-' * width}  --------  ---------  ---------  --------  --------------  -------"]
+    for c in rows:
+        r = c.roofline
+        lines.append(f"{c.name:<{width}}  {r['seconds'] * 1e6:>6.1f}us  {r['bytes']:>9.3g}  {r['flops']:>9.3g}  "
+                     f"{r['floor_seconds'] * 1e6:>6.2f}us  {r['fraction']:>14.1%}  {r['bound']}")
+    return "\n".join(lines) + f"\npeaks: {rows[0].roofline['peaks']}"
+
+
 def sparse_length_case(committed: int, exact: bool, device: str = "cpu") -> dict:
     """SPARSE_ROWS rows at ratio 1 that have each committed `committed` entries, in paged
     caches whose block tables address one capacity for every length; `exact`: index dim 64
@@ -318,6 +397,8 @@ def _graph_seconds(fn, rounds: int = 10) -> float:
 def sparse_timing() -> None:
     import torch
 
+    from benchmarks.kernel_cases import sparse_work
+
     ops = torch.ops.b12x_toolchain
     seconds: dict[str, dict[int, float]] = {}
     for committed in SPARSE_LENGTHS:
@@ -337,7 +418,10 @@ def sparse_timing() -> None:
                 record(f"sparse time {name} {label}", False, f"not capturable in a CUDA graph: {exc}")
                 continue
             seconds.setdefault(name, {})[committed] = t
-            record(f"sparse time {name} {label}", True, f"{t * 1e6:,.1f} us per call, captured in a CUDA graph")
+            need = sparse_work(name, committed, SPARSE_ROWS, 8, **SPARSE_FULL, topk=SPARSE_TOPK,
+                               block_size=SPARSE_FULL_BLOCK, blocks=SPARSE_FULL_BLOCKS)
+            record(f"sparse time {name} {label}", True, f"{t * 1e6:,.1f} us per call, captured in a CUDA graph",
+                   roofline(t, need, card_peaks()))
     short, long = min(SPARSE_LENGTHS), max(SPARSE_LENGTHS)
     for name, by_length in seconds.items():
         if short in by_length and long in by_length:
@@ -363,7 +447,13 @@ def fp8_linears(device: str, specs=None) -> None:
     from b12x_toolchain.runtime.formats.weight_formats import act_quant_e4m3, decode_fp8_block
     from b12x_toolchain.runtime.ops import triton_quant
     from b12x_toolchain.runtime.ops.opset import ops as R
-    from benchmarks.kernel_cases import FP8_LINEAR_CASES, FP8_LINEAR_FULL, accumulation_bound, fp8_linear_case
+    from benchmarks.kernel_cases import (
+        FP8_LINEAR_CASES,
+        FP8_LINEAR_FULL,
+        accumulation_bound,
+        fp8_linear_case,
+        fp8_linear_work,
+    )
 
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
     has_fp8 = capability is None or capability >= triton_quant.FP8_MMA_CAPABILITY  # the interpreter runs it
@@ -387,7 +477,9 @@ def fp8_linears(device: str, specs=None) -> None:
             record(f"{name} {dot} dot", bool((error <= bound).all()),
                    f"max error {error.max().item():.2e}; the worst element uses {share:.3f} of its bound")
             if device == "cuda" and spec in FP8_LINEAR_FULL:
-                record(f"{name} {dot} dot time", None, f"{_graph_seconds(call) * 1e6:,.1f} us per call in a CUDA graph")
+                t = _graph_seconds(call)
+                record(f"{name} {dot} dot time", None, f"{t * 1e6:,.1f} us per call in a CUDA graph",
+                       roofline(t, fp8_linear_work(*spec, dot), card_peaks()))
         if not has_fp8:
             record(f"{name} fp8 dot", None, f"not run: compute capability {capability} has no FP8 MMA")
         if device == "cuda":
@@ -464,21 +556,46 @@ def fused_vs_unfused(fused, unfused) -> None:
                "; ".join(problems[:3]) or "staging, persistent caches and logits identical, 3 poisoned steps")
 
 
+def mirror_pages(source, target) -> None:
+    """Give every slot of `target` the very pages the same slot holds in `source` (whose cache
+    bytes `target` was given): a new session's page tables start empty, so it would hand these
+    slots fresh pages, read other slots' entries there, and poison the pages it thinks free.
+
+    Each page is taken once (a placement of our choosing), adopted by every slot that holds
+    it (adopt shares held pages only), then let go once: each ends held by its slots alone."""
+    taken = []
+    for slot in range(source.slots):
+        pages = {pool: tuple(source.pages.held[pool][slot]) for pool in source.pages.pools}
+        for pool, ids in pages.items():
+            for page in ids:
+                if not target.pages.pools[pool].refs[page]:
+                    taken.append((pool, target.pages.pools[pool].take(page=page)))
+        if any(pages.values()):
+            target.pages.adopt(slot, pages)
+    for pool, page in taken:
+        target.pages.pools[pool].release(page)
+
+
 def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
-    """Same cache bytes on both devices, one verify: the snapshot half of staging must agree."""
+    """Same cache bytes and page tables on both devices, one verify: the snapshot half of
+    staging must agree (on the CPU dry run, the same device on both sides: everything)."""
     import torch
 
     from b12x_toolchain.runtime.formats.layout import token_view
 
-    cpu = cpu_pkg.session(device="cpu", slots=4, max_rows=4,
-                          buffers={k: v.cpu() for k, v in gpu_session.caches.items()})
+    device = gpu_session.device.type
+    cpu = cpu_pkg.session(device="cpu", slots=gpu_session.slots, max_rows=gpu_session.max_rows,
+                          buffers={k: v.to("cpu", copy=True) for k, v in gpu_session.caches.items()})
     cpu.seq_lens = list(gpu_session.seq_lens)
+    mirror_pages(gpu_session, cpu)
     slots = [3, 0, 2]
     positions = [gpu_session.seq_lens[s] for s in slots]
     tokens = torch.randint(0, cpu_pkg.vocab_size, (3, 8), generator=torch.Generator().manual_seed(5)).tolist()
+    logits = []
     for session in (gpu_session, cpu):
         poison(session)
-        session.replay("verify", token_ids=tokens, slot_ids=slots, positions=positions)
+        out = session.replay("verify", token_ids=tokens, slot_ids=slots, positions=positions)
+        logits.append(out["logits"].float().cpu())
     same_history, appended, differing = True, 0, 0
     for name in staging_of(cpu, "verify", "window_staging"):
         staging = cpu.staging[name]
@@ -486,25 +603,31 @@ def cuda_vs_cpu(gpu_session, cpu_pkg) -> None:
         same_history &= torch.equal(a[:, :128], b[:, :128])
         appended += 3 * 8
         differing += (a[:, 128:136] != b[:, 128:136]).any(-1).sum().item()
-    record("CUDA = CPU history snapshot", same_history, "verify staging rows 0..127 identical from identical caches")
-    record("CUDA vs CPU appended rows", None,
-           f"{differing}/{appended} appended window rows differ (float math order differs across devices)")
+    error = (logits[0] - logits[1]).abs().max().item()
+    label = device.upper()
+    record(f"{label} = CPU history snapshot", same_history, "verify staging rows 0..127 identical from identical caches")
+    # Same device: one arithmetic, so the appended rows and logits must agree to the bit.
+    why = "one device: must be 0" if device == "cpu" else "float math order differs across devices"
+    record(f"{label} vs CPU appended rows", differing == 0 and error == 0 if device == "cpu" else None,
+           f"{differing}/{appended} appended window rows differ, verify logits differ by up to {error:.2e} ({why})")
 
 
-def host_tables(gpu_session, pkg) -> None:
+def host_tables(session, pkg) -> None:
     """Engram's tables in pinned host memory, read in place by the captured graphs: the same
-    prefill and verify logits as with the tables on the device."""
+    prefill and verify logits as with the tables on the device (on a CPU both are one place)."""
     import torch
 
-    host = open_session(pkg, "cuda", engram_tables="host")
-    pinned = [t for name, t in host.weights.items() if name in pkg.manifest.weights.engram_tables]
-    record("engram tables on the host are pinned", bool(pinned) and all(t.is_pinned() for t in pinned),
-           f"{len(pinned)} table tensors in page-locked host memory")
+    device = session.device.type
+    host = open_session(pkg, device, engram_tables="host")
+    tables = [t for name, t in host.weights.items() if name in pkg.manifest.weights.engram_tables]
+    if device == "cuda":
+        record("engram tables on the host are pinned", bool(tables) and all(t.is_pinned() for t in tables),
+               f"{len(tables)} table tensors in page-locked host memory")
     slots = [0, 1]
-    positions = [gpu_session.seq_lens[s] for s in slots]
+    positions = [session.seq_lens[s] for s in slots]
     tokens = torch.randint(0, pkg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(9)).tolist()
     logits = [s.replay("verify", token_ids=tokens, slot_ids=slots, positions=positions)["logits"].cpu()
-              for s in (gpu_session, host)]
+              for s in (session, host)]
     record("engram host tables = device tables", torch.equal(*logits), "verify logits bit for bit after the same prefills")
 
 
@@ -603,36 +726,52 @@ def replay_rate(fused, unfused) -> None:
 
 
 def tiny_packages(folder: Path | None):
-    """The tiny recipe's fused and unfused packages: exported here, or loaded from `folder`
-    (FOLDER/fused and FOLDER/unfused, as `b12x export --recipe dsv41-tiny [--no-fuse]` writes
-    them), so a GPU machine can qualify packages exported elsewhere, as a CI export step would."""
+    """The tiny recipe's fused and unfused packages: loaded from `folder` (FOLDER/fused and
+    FOLDER/unfused, as `b12x export --recipe dsv41-tiny [--no-fuse]` writes them), so a GPU
+    machine can qualify packages exported elsewhere, as a CI export step would; or exported
+    here. Loading them imports nothing of the exporter (a runtime alone must serve them)."""
+    from b12x_toolchain.runtime import load
+
+    if folder is None:
+        return export_tiny()
+    found = {kind: sorted((folder / kind).glob("*.b12x")) for kind in ("fused", "unfused")}
+    for kind, paths in found.items():
+        if len(paths) != 1:
+            raise FileNotFoundError(f"{folder / kind}: expected one exported .b12x package, found {len(paths)}")
+    return load(found["fused"][0]), load(found["unfused"][0])
+
+
+def export_tiny():
+    """Both packages exported into a temporary folder: the one place this script uses the exporter."""
     from b12x_toolchain.exporter.pipeline.export import export_package
     from b12x_toolchain.exporter.recipe.loader import load_recipe
     from b12x_toolchain.runtime import load
 
-    if folder is not None:
-        found = {kind: sorted((folder / kind).glob("*.b12x")) for kind in ("fused", "unfused")}
-        for kind, paths in found.items():
-            if len(paths) != 1:
-                raise FileNotFoundError(f"{folder / kind}: expected one exported .b12x package, found {len(paths)}")
-        return load(found["fused"][0]), load(found["unfused"][0])
     with tempfile.TemporaryDirectory(prefix="b12x-gpu-check-") as tmp:
         recipe = load_recipe("dsv41-tiny")
         return (load(export_package(recipe, Path(tmp) / "fused").path),
                 load(export_package(recipe, Path(tmp) / "unfused", fuse=False).path))
 
 
+def exporter_modules() -> list[str]:
+    return sorted(name for name in sys.modules if name.startswith("b12x_toolchain.exporter"))
+
+
 def sessions(device: str, packages: Path | None = None) -> None:
     fused_pkg, unfused_pkg = tiny_packages(packages)
+    if packages is not None:
+        loaded = exporter_modules()
+        record("packages loaded by the runtime alone", not loaded,
+               f"exporter modules imported: {', '.join(loaded[:3])}" if loaded else "no exporter module imported")
     t = time.perf_counter()
     fused, unfused = open_session(fused_pkg, device), open_session(unfused_pkg, device)
     what = "every bucket of the 4 passes warmed up and captured" if device == "cuda" else "no capture on the CPU"
     record("sessions prepared", True, f"fused and unfused, prefilled: {what}, {time.perf_counter() - t:.1f}s")
+    host_tables(fused, fused_pkg)  # first: the host session is prefilled as `fused` is now (verify commits nothing)
     fused_vs_unfused(fused, unfused)
+    cuda_vs_cpu(fused, fused_pkg)  # on the CPU dry run: the same device on both sides, so equal to the bit
     if device == "cpu":
         return
-    cuda_vs_cpu(fused, fused_pkg)
-    host_tables(fused, fused_pkg)
     allocation(fused)
     graph_nodes(fused, unfused)
     replay_rate(fused, unfused)
@@ -661,6 +800,7 @@ def bandwidth() -> None:
 
     from b12x_toolchain.runtime.formats.codecs import get_format
     from b12x_toolchain.runtime.formats.layout import staging_shape
+    from benchmarks.kernel_cases import window_writer_work
 
     rows, width, dim, page = BANDWIDTH_ROWS, 8, 512, 64
     row_bytes = get_format("dsv41_mxfp8").row_bytes(dim)
@@ -691,7 +831,8 @@ def bandwidth() -> None:
     ratio = t_copy / t_fused
     record("fused writer bandwidth", ratio >= MIN_BANDWIDTH_RATIO,
            f"{written / t_fused / 1e9:,.0f} GB/s written vs copy {written / t_copy / 1e9:,.0f} GB/s "
-           f"({ratio:.0%} of copy; needs {MIN_BANDWIDTH_RATIO:.0%}), {written / 1e6:.0f} MB")
+           f"({ratio:.0%} of copy; needs {MIN_BANDWIDTH_RATIO:.0%}), {written / 1e6:.0f} MB",
+           roofline(t_fused, window_writer_work(rows, width, dim), card_peaks()))
 
 
 # ---------------------------------------------------------------- main
@@ -732,6 +873,29 @@ def run_part(part, *args) -> None:
         record(f"{part.__name__} raised", False, f"{type(error).__name__}: {first_line}"[:300])
 
 
+def write_json(path: Path | None, env: dict, started: float) -> None:
+    """The checks so far: written after every part, so a run stopped by a timeout keeps them."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": env, "seconds": time.perf_counter() - started,
+                                "checks": [asdict(c) for c in RESULTS]}, indent=2))
+
+
+def plan(device: str, packages: Path | None, quick: bool) -> list:
+    """(part, arguments) in the order they run; --quick: one case of each kernel group."""
+    from benchmarks.kernel_cases import FP8_LINEAR_CASES, SPARSE_CASES
+
+    parts = [(kernel_bytes, (device, quick)),
+             (sparse_kernels, (device, SPARSE_CASES[1:2] if quick else None, not quick)),
+             (mhc_kernel, (device, quick)), (engram_kernels, (device,)),
+             (fp8_linears, (device, FP8_LINEAR_CASES[3:4] if quick else None)),
+             (sessions, (device, packages))]
+    if device == "cuda":
+        parts += [(bandwidth, ()), (sparse_timing, ())]
+    return parts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the checks as JSON here")
@@ -739,6 +903,7 @@ def main(argv=None) -> int:
                         help="the tiny recipe's packages exported elsewhere, in PATH/fused and PATH/unfused (default: export here)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: dry run of this script (Triton interpreter, no capture); proves nothing about a GPU")
+    parser.add_argument("--quick", action="store_true", help="one case of each kernel group: a dry run of the script")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -755,21 +920,17 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment(args.device)
     print("environment:", json.dumps(env), flush=True)
-    parts = [(part, (args.device,)) for part in (kernel_bytes, sparse_kernels, mhc_kernel, engram_kernels, fp8_linears)]
-    parts.append((sessions, (args.device, args.packages)))
-    if args.device == "cuda":
-        parts += [(bandwidth, ()), (sparse_timing, ())]
-    for part, part_args in parts:
+    for part, part_args in plan(args.device, args.packages, args.quick):
         run_part(part, *part_args)
+        write_json(args.json, env, started)
     elapsed = time.perf_counter() - started
     failed = [c.name for c in RESULTS if c.ok is False]
     print()
     print(table())
+    if roofline_table():
+        print("\n" + roofline_table())
     print(f"\n{sum(c.ok is True for c in RESULTS)} passed, {len(failed)} failed in {elapsed:.0f}s on {env.get('gpu', args.device)}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": env, "seconds": elapsed,
-                                         "checks": [asdict(c) for c in RESULTS]}, indent=2))
+    write_json(args.json, env, started)
     return 1 if failed else 0
 
 

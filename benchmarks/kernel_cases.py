@@ -266,3 +266,52 @@ def accumulation_bound(xa: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     where an exact scale multiplies) are at most this far apart.
     """
     return xa.shape[-1] * 2.0**-23 * (xa.abs().double() @ w.abs().double().T).float()
+
+
+# ---------------------------------------------------------------- roofline: the least each timed case must do
+
+# What a kernel cannot avoid: the bytes it must read and write once (inputs, cache records
+# it must look at, outputs) and the multiply-adds (x2) of its dots. A card's peak rates turn
+# them into a floor time; measured / floor says how far from the hardware a kernel runs.
+# The floors are lower bounds, on purpose optimistic: FLOPs count at tensor-core rates even
+# where a kernel must sum in float32, and entries several queries of a row share count once.
+
+
+def work(nbytes: float, flops: float = 0.0, dot: str = "bf16") -> dict:
+    """dot: the tensor-core rate that bounds the FLOPs ("bf16", or "fp8" for an FP8 dot)."""
+    return {"bytes": int(nbytes), "flops": int(flops), "dot": dot}
+
+
+def fp8_linear_work(rows: int, n_out: int, n_in: int, block: tuple[int, int], encoding: str, dot: str) -> dict:
+    """`fp8_block_linear`: the E4M3 weight and its block scales once, float32 x in and y out."""
+    scales = -(-n_out // block[0]) * -(-n_in // block[1]) * (1 if encoding == "ue8m0" else 4)
+    nbytes = n_out * n_in + scales + rows * n_in * 4 + rows * n_out * 4
+    return work(nbytes, 2 * rows * n_out * n_in, "fp8" if dot == "fp8" else "bf16")
+
+
+def sparse_work(name: str, committed: int, rows: int, width: int, *, dim: int, heads: int, index_dim: int,
+                index_heads: int, fmt: str, index_fmt: str, topk: int, block_size: int, blocks: int) -> dict:
+    """One sparse op of gpu_check's timing rows (`_sparse_calls` names) at `committed` entries a row.
+
+    Scoring ops read every committed index key of a row (or, within candidate blocks, at
+    least one query's blocks) and score it for every query and indexer head; attention reads
+    the entries it attends (at least top-k of a row, or all of them) plus the window rows,
+    and does two dots (scores, then values) per head.
+    """
+    key_bytes, entry_bytes = get_format(index_fmt).row_bytes(index_dim), get_format(fmt).row_bytes(dim)
+    queries = rows * width
+    if name in ("topk", "blocks", "topk in blocks"):
+        keys = min(committed, blocks * block_size) if name == "topk in blocks" else committed
+        outputs = queries * (topk if name != "blocks" else blocks + 1) * 4
+        inputs = queries * index_heads * (index_dim + 1) * 4 + queries * index_dim * 4  # queries, weights, new keys
+        return work(rows * keys * key_bytes + inputs + outputs, 2 * queries * index_heads * (keys + width) * index_dim)
+    window = 6 + width  # the window rows of `sparse_case`
+    entries = min(committed, topk) if name == "attention top-k" else committed
+    vectors = queries * heads * dim * 4 * 2 + rows * window * dim * 4 + queries * width * dim * 4  # q, out, window, new
+    return work(rows * entries * entry_bytes + vectors, 4 * queries * heads * (entries + window) * dim)
+
+
+def window_writer_work(rows: int, width: int, dim: int, fmt: str = "dsv41_mxfp8") -> dict:
+    """The fused window writer: reads each row's history ring and its new kv, writes staging."""
+    row_bytes = get_format(fmt).row_bytes(dim)
+    return work(rows * HISTORY * row_bytes + rows * width * dim * 4 + rows * (HISTORY + width) * row_bytes)
