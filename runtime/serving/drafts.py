@@ -16,14 +16,15 @@ from b12x_toolchain.runtime.session.validate import OnDevice
 class Drafts:
     """A group's drafts. `block` is verify's token_ids (host lists, or an OnDevice tensor);
     drafts known on the host are in `host` (one list per row, already cut to its length),
-    drafts left on the device in `tokens` [rows, width] with their lengths [rows]; `q` holds
+    drafts left on the device in `ids` [rows, width] with how many of each row count, `kept`
+    [rows]; `q` holds
     the draft distributions [sampled rows, width, vocab] (float64, on the device) that sampled
     rows drew from, None when no row sampled from the draft pass."""
 
     block: object
     host: list[list[int]] | None = None
-    tokens: torch.Tensor | None = None
-    lengths: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
     q: torch.Tensor | None = None
 
 
@@ -61,4 +62,4 @@ def device_drafts(out: dict, manifest, pending: list[int], noise: int, generator
     columns = torch.arange(width, device=device)
     body = torch.where(columns[None, :] < lengths[:, None], tokens, noise)
     block = torch.cat([to_device(pending, torch.int64, device)[:, None], body], dim=1)
-    return Drafts(block=OnDevice(block), tokens=tokens, lengths=lengths, q=q)
+    return Drafts(block=OnDevice(block), ids=tokens, kept=lengths, q=q)

@@ -378,7 +378,7 @@ class Engine:
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         results = []
         for i, request in enumerate(rows):
-            draft = drafts.host[i] if drafts.host is not None else host["drafts"][i][: host["lengths"][i]]
+            draft = drafts.host[i] if drafts.host is not None else host["draft_ids"][i][: host["drafts_kept"][i]]
             targets = host["targets"][i]
             if request.temperature == 0:
                 emitted = accept_greedy(draft, targets) if self.speculative else targets[:1]
@@ -407,8 +407,8 @@ class Engine:
         per position, drafts left on the device and their lengths, and for sampled rows the
         target's logits and the draft distributions they drew from."""
         lists = {"targets": logits.argmax(-1), "margins": top_two_gap(logits)}
-        if drafts.tokens is not None:
-            lists |= {"drafts": drafts.tokens, "lengths": drafts.lengths}
+        if drafts.ids is not None:
+            lists |= {"draft_ids": drafts.ids, "drafts_kept": drafts.kept}
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         tensors = {}
         if sampled:
