@@ -34,14 +34,17 @@ def _replay_every_bucket(package) -> int:
     buckets = sorted({b for p in package.passes.values() for b in p.rows_buckets})
     session = package.session(slots=buckets[-1])
     gen = random.Random(0)
-    cases = [(name, rows) for name in ("prefill", *[p for p in package.passes if p != "prefill"])
-             for rows in package.passes[name].rows_buckets]
+    # Each bucket full, and one row short where that still lands in it (its padding rows go up too).
+    cases = [(name, n) for name in ("prefill", *[p for p in package.passes if p != "prefill"])
+             for low, rows in zip([0, *package.passes[name].rows_buckets], package.passes[name].rows_buckets)
+             for n in sorted({rows, max(rows - 1, low + 1)})]
     prepared = [_values(session, package.passes[name], rows, gen) for name, rows in cases[:1]]
     session.replay(cases[0][0], **prepared[0])  # history to read: every slot's first tokens
     with no_host_sync() as guard:
         for name, rows in cases:
             session.replay(name, **_values(session, package.passes[name], rows, gen))
     assert guard.replays == len(cases)
+    assert any(session.bucket_for(name, n).rows > n for name, n in cases)  # padding rows were replayed
     return len(cases)
 
 
