@@ -51,6 +51,10 @@ class CudaGraphCapture:
                                f"triton ({CUDA_EXTRA})")
         self.device, self.cuda = torch.device(device), cuda
         self.pool = cuda.graph_pool_handle()
+        # Captured on a stream of the session's device: torch.cuda.graph's default capture
+        # stream belongs to whichever device was current when it was first made, so a session
+        # on cuda:1 opened while cuda:0 is current would otherwise record on the wrong device.
+        self.capture_stream = cuda.Stream(self.device)
 
     @contextlib.contextmanager
     def warming_up(self) -> Iterator[None]:
@@ -64,7 +68,7 @@ class CudaGraphCapture:
 
     def record(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
         graph = self.cuda.CUDAGraph(keep_graph=True)  # kept so its nodes can be inspected
-        with self.cuda.graph(graph, pool=self.pool):
+        with self.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             step()  # launches are recorded, not run
         graph.instantiate()
         return graph

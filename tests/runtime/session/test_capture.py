@@ -123,14 +123,15 @@ class CudaCalls:
     """Stands in for the torch.cuda namespace: the calls made of it, in order, in `log`."""
 
     def __init__(self):
-        self.log = []
+        self.log, self.streams = [], 0
 
     def graph_pool_handle(self):
         self.log.append("pool handle")
         return "pool"
 
     def Stream(self, device):
-        return Stream("side", self.log)
+        self.streams += 1
+        return Stream(f"{device} stream {self.streams}", self.log)
 
     def current_stream(self, device):
         return Stream("current", self.log)
@@ -145,8 +146,8 @@ class CudaCalls:
         return Graph(self.log)
 
     @contextlib.contextmanager
-    def graph(self, graph, pool):
-        self.log.append(f"capture into {pool}")
+    def graph(self, graph, pool, stream):
+        self.log.append(f"capture into {pool} on {stream.name}")
         yield
         self.log.append("capture end")
 
@@ -175,12 +176,14 @@ def test_cuda_capture_warms_up_on_a_side_stream_then_captures_into_the_shared_po
 
     monkeypatch.setattr(ops, "CUDA_KERNELS", True)
     cuda = CudaCalls()
-    runner, caches = _runner(CudaGraphCapture("cuda", cuda=cuda))
+    runner, caches = _runner(CudaGraphCapture("cuda:1", cuda=cuda))  # cuda:1: whatever device is current
     bucket = SlotBucket(1, caches["c"], log=cuda.log)
     runner.add("verify", bucket)
     runner.replay("verify", bucket)
-    assert cuda.log == ["pool handle", "side waits for current", "on side", *["step"] * WARMUP_STEPS, "off side",
-                        "current waits for side", "capture into pool", "step", "capture end", "instantiate", "replay"]
+    side = "cuda:1 stream 2"  # stream 1 is the capture stream, made with the backend
+    assert cuda.log == ["pool handle", f"{side} waits for current", f"on {side}", *["step"] * WARMUP_STEPS,
+                        f"off {side}", f"current waits for {side}", "capture into pool on cuda:1 stream 1", "step",
+                        "capture end", "instantiate", "replay"]
     assert all(_values(seen) == {"slots": [SCRATCH], "table": [[-1, -1]]} for seen in bucket.seen)
 
 
