@@ -14,8 +14,6 @@ from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from host_sync import HostSync, no_host_sync
 
-pytestmark = pytest.mark.slow(minutes=1.0)
-
 
 def _values(session, info, rows: int, gen: random.Random) -> dict:
     """Valid host values for `rows` rows of a pass, continuing each slot's committed length."""
