@@ -55,6 +55,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the benchmarks package beside it
+    sys.path.insert(0, str(ROOT))
 EXPECT_FORMAT = 1
 NEW_TOKENS, QUICK_PROMPTS, QUICK_TOKENS = 64, 2, 16
 NEAR_TIE = 8.0  # a CPU margin under this many logit errors may flip on another device
@@ -124,15 +126,12 @@ def markdown_table(rows: list[dict], columns: tuple[str, ...]) -> str:
 
 
 def environment(device: str) -> dict:
+    """gpu_check's versions and device, and where the project was imported from: an installed
+    copy or a checkout mapped by path."""
     import b12x_toolchain
+    from benchmarks.gpu_check import environment as versions
 
-    # Where the project was imported from: an installed copy or a checkout mapped by path.
-    info = {"device": device, "torch": torch.__version__, "python": sys.version.split()[0],
-            "import_root": str(Path(b12x_toolchain.__file__).parent)}
-    if device == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
-                    capability=".".join(map(str, torch.cuda.get_device_capability())))
-    return info
+    return versions(device) | {"import_root": str(Path(b12x_toolchain.__file__).parent)}
 
 
 # ---------------------------------------------------------------- workload and decoding
@@ -157,17 +156,24 @@ def decode(session, prompts: list[list[int]], new_tokens: int, speculative: bool
 
 
 def prefill_logits(session, prompt: list[int], slot: int = 0) -> torch.Tensor:
-    """float32 [len(prompt), vocab] on the CPU: the prompt prefilled chunk by chunk into `slot`,
-    as the engine prefills it; the slot is handed back after."""
-    chunk = session.package.passes["prefill"].width
+    """float32 [len(prompt), vocab] on the CPU: the prompt prefilled chunk by chunk into an
+    emptied `slot`, as the engine prefills it; the slot is handed back after."""
     session.reset_slot(slot)
-    logits = []
-    for start in range(0, len(prompt), chunk):
-        piece = prompt[start : start + chunk]
-        out = session.replay("prefill", token_ids=[piece + [0] * (chunk - len(piece))], slot_ids=[slot],
-                             positions=[start], new_tokens=[len(piece)])
-        logits.append(out["logits"][0, : len(piece)].float().cpu().clone())  # the next replay reuses out
+    logits = prefill_into(session, slot, prompt)
     session.retire_slot(slot)
+    return logits
+
+
+def prefill_into(session, slot: int, tokens: list[int], start: int = 0) -> torch.Tensor:
+    """Prefill `tokens` into `slot` from position `start` (the slot holds `start` tokens): every
+    position's logits, float32 on the CPU. The slot keeps what it holds."""
+    chunk = session.package.passes["prefill"].width
+    logits = []
+    for offset in range(0, len(tokens), chunk):
+        piece = tokens[offset : offset + chunk]
+        out = session.replay("prefill", token_ids=[piece + [0] * (chunk - len(piece))], slot_ids=[slot],
+                             positions=[start + offset], new_tokens=[len(piece)])
+        logits.append(out["logits"][0, : len(piece)].float().cpu().clone())  # the next replay reuses out
     return torch.cat(logits)
 
 
@@ -356,34 +362,21 @@ def prefix_hit(run: Run):
     # The first request stores its first chunk from the slot that holds exactly it, as the
     # engine does at a boundary, then goes on writing its own pages.
     session.reset_slot(0)
-    stored = _prefill_into(session, 0, first[:chunk])
+    stored = prefill_into(session, 0, first[:chunk])[-1]
     cache.store(session, 0, first[:chunk], stored)
-    _prefill_into(session, 0, first[chunk:], start=chunk)
+    prefill_into(session, 0, first[chunk:], start=chunk)
     session.retire_slot(0)
     session.reset_slot(1)
     hit = cache.restore(session, 1, second)
     if hit is None:
         return False, "miss", f"no L1 hit for a prompt sharing its first {chunk} tokens"
-    resumed = _prefill_into(session, 1, second[hit.length :], start=hit.length)
+    resumed = prefill_into(session, 1, second[hit.length :], start=hit.length)[-1]
     session.retire_slot(1)
     cold = prefill_logits(session, second, slot=1)[-1]
     same = torch.equal(resumed, cold)
     return same and hit.tier == "l1", f"{hit.tier} hit of {hit.length} tokens", \
         ("last-position logits bitwise equal to a cold prefill" if same
          else f"logits differ by up to {(resumed - cold).abs().max().item():.2e}")
-
-
-def _prefill_into(session, slot: int, tokens: list[int], start: int = 0) -> torch.Tensor:
-    """Prefill `tokens` into `slot` from position `start` (the slot holds `start` tokens); the
-    last position's logits on the CPU. The slot keeps what it holds."""
-    chunk = session.package.passes["prefill"].width
-    last = None
-    for offset in range(0, len(tokens), chunk):
-        piece = tokens[offset : offset + chunk]
-        out = session.replay("prefill", token_ids=[piece + [0] * (chunk - len(piece))], slot_ids=[slot],
-                             positions=[start + offset], new_tokens=[len(piece)])
-        last = out["logits"][0, len(piece) - 1].float().cpu().clone()
-    return last
 
 
 def host_tables(run: Run):

@@ -325,9 +325,7 @@ class Engine:
         """(token, margin) per row from logits [rows, vocab] on the device, in one transfer:
         greedy rows take the argmax, sampled rows draw from their logits, fetched with it."""
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
-        host = download(lists={"targets": logits.argmax(-1), "margins": top_two_gap(logits)},
-                        tensors={"logits": logits.index_select(0, to_device(sampled, torch.int64, logits.device))}
-                        if sampled else None)
+        host = _fetch(logits, sampled)
         out = []
         for i, request in enumerate(rows):
             token = host["targets"][i]
@@ -374,8 +372,8 @@ class Engine:
         drafts = self._drafts(rows, stats)
         # A block ended early (low draft confidence) is padded; acceptance stops at its end.
         logits = self._replay("verify", stats, token_ids=drafts.block, slot_ids=slots, positions=positions)["logits"]
-        host = self._verdict(rows, logits, drafts)
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
+        host = _fetch(logits, sampled, drafts)
         results = []
         for i, request in enumerate(rows):
             draft = drafts.host[i] if drafts.host is not None else host["draft_ids"][i][: host["drafts_kept"][i]]
@@ -401,21 +399,6 @@ class Engine:
         for request, (emitted, margins) in zip(rows, results):
             request.length += len(emitted)
             self._finish_step(request, emitted, margins, stats)
-
-    def _verdict(self, rows: list[RequestState], logits: torch.Tensor, drafts: Drafts) -> dict:
-        """What the host needs of a verify, in one transfer: the target's argmax and margins
-        per position, drafts left on the device and their lengths, and for sampled rows the
-        target's logits and the draft distributions they drew from."""
-        lists = {"targets": logits.argmax(-1), "margins": top_two_gap(logits)}
-        if drafts.ids is not None:
-            lists |= {"draft_ids": drafts.ids, "drafts_kept": drafts.kept}
-        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
-        tensors = {}
-        if sampled:
-            tensors["logits"] = logits.index_select(0, to_device(sampled, torch.int64, logits.device))
-            if drafts.q is not None:
-                tensors["q"] = drafts.q
-        return download(lists, tensors)
 
     def _decode_one(self, rows: list[RequestState], stats: StepStats) -> None:
         """One token per row through decode (or prefill), which writes the pending token's rows directly."""
@@ -470,6 +453,22 @@ def check_rows(row_ids: list[int], allowed: list[int]) -> None:
         if row not in allowed:
             raise ValueError(f"row id {row} is not one of this engine's slots {sorted(allowed)}")
         seen.add(row)
+
+
+def _fetch(logits: torch.Tensor, sampled: list[int], drafts: Drafts | None = None) -> dict:
+    """What the host needs of a pass's logits [rows, ..., vocab], in one transfer: the argmax
+    and the margin at each position, the drafts a draft pass left on the device and how many
+    of each row count, and for the `sampled` rows their logits and the draft distributions
+    they drew from."""
+    lists = {"targets": logits.argmax(-1), "margins": top_two_gap(logits)}
+    if drafts is not None and drafts.ids is not None:
+        lists |= {"draft_ids": drafts.ids, "drafts_kept": drafts.kept}
+    tensors = {}
+    if sampled:
+        tensors["logits"] = logits.index_select(0, to_device(sampled, torch.int64, logits.device))
+        if drafts is not None and drafts.q is not None:
+            tensors["q"] = drafts.q
+    return download(lists, tensors)
 
 
 def _generator(key: tuple) -> torch.Generator:

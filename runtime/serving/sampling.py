@@ -24,8 +24,7 @@ import torch
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     # float64: the acceptance ratio p/q of two small probabilities must not round to 0 or inf.
     # On the CPU: request generators are CPU generators, so a seed draws the same on any device.
-    probs = torch.softmax(logits.to("cpu", torch.float64) / temperature, dim=-1)
-    return nucleus(probs, top_p) if top_p < 1.0 else probs
+    return probabilities_on_device(logits.to("cpu"), temperature, top_p)
 
 
 def probabilities_on_device(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
