@@ -2,9 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
-# The FlashInfer whose DeepSeek V4.1 records the caches follow (the cuda extra pins the same;
-# a test checks). The tests load its reference encoder, so it is installed here too, without
-# its CUDA-only dependencies and without byte-compiling its ~14,000 modules.
+# The FlashInfer whose DeepSeek V4.1 records the caches follow (runtime/formats/dsv41.py's
+# FLASHINFER_PIN; a test checks). The cuda extra does not pin it: the tests load its reference
+# encoder, so it is installed here, without its CUDA-only dependencies and without
+# byte-compiling its ~14,000 modules.
 FLASHINFER ?= flashinfer-python==0.7.4
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.b12x-installed

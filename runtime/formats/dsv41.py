@@ -64,7 +64,7 @@ from b12x_toolchain.runtime.formats.minifloat import (
 )
 
 FLASHINFER_PIN = "0.7.4"
-"""The flashinfer-python release whose V4.1 records these encoders reproduce (the cuda extra pins it)."""
+"""The flashinfer-python release whose V4.1 records these encoders reproduce (the tests install it)."""
 
 WINDOW_CONVENTION = f"DeepSeek V4.1 window record (swa), flashinfer-python {FLASHINFER_PIN}"
 COMPRESSED_CONVENTION = f"DeepSeek V4.1 compressed record (indexed), flashinfer-python {FLASHINFER_PIN}"
