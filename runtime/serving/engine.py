@@ -31,7 +31,8 @@ import torch
 
 from b12x_toolchain.runtime.errors import PagesExhausted
 from b12x_toolchain.runtime.serving.drafts import Drafts, device_drafts
-from b12x_toolchain.runtime.serving.requests import Request, RequestState, check_request
+from b12x_toolchain.runtime.serving.logprobs import token_logprobs
+from b12x_toolchain.runtime.serving.requests import GREEDY_BELOW, Request, RequestState, check_request
 from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, probabilities, top_two_gap
 from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
 from b12x_toolchain.runtime.session.transfers import download, to_device
@@ -63,7 +64,9 @@ class Engine:
             the draft pass; its drafts count as deterministic (q one-hot) when sampling.
         prefix_cache: a `prefix_cache.PrefixCache`; prefill hydrates the longest stored
             prefix of each prompt and prefills only the rest, storing snapshots at the
-            cache's boundaries.
+            cache's boundaries. Requests of one prompt (an API request's n samples) are then
+            prefilled once: the others wait for the next prefill batch, which restores the
+            first one's snapshot and shares its pages.
         """
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -134,10 +137,13 @@ class Engine:
             self._submitted += 1
             self._ids.add(label)
             seed = ("request", request.seed) if request.seed is not None else ("engine", self.seed, index)
+            temperature = self.temperature if request.temperature is None else float(request.temperature)
             state = RequestState(label, list(request.prompt), request.max_new_tokens, frozenset(request.stop),
                                  _generator(seed), submitted_at=now,
-                                 temperature=self.temperature if request.temperature is None else float(request.temperature),
-                                 top_p=self.top_p if request.top_p is None else float(request.top_p))
+                                 temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+                                 top_p=self.top_p if request.top_p is None else float(request.top_p),
+                                 min_tokens=request.min_tokens, logprobs=request.logprobs,
+                                 prompt_logprobs=request.prompt_logprobs)
             states.append(state)
         return states
 
@@ -150,7 +156,7 @@ class Engine:
         can. Full pages of the L1 snapshot it will hydrate are shared, not needed anew, and that
         snapshot (like every one this admission round relies on, `relied`) is never given back."""
         pages, span = self.session.pages, self.span(request)
-        hit = self.prefix_cache.shared_prefix(request.prompt) if self.prefix_cache is not None else None
+        hit = self.prefix_cache.shared_prefix(request.prompt) if _restores(self.prefix_cache, request) else None
         shared = hit.length if hit is not None and hit.pages.tables is pages else 0
         relied.extend([hit] if shared else [])
         if not pages.can_reserve(slot, 0, span, shared) and self.prefix_cache is not None:
@@ -228,6 +234,9 @@ class Engine:
         while self.waiting and self.free and not blocked:
             batch, relied = [], []
             while self.waiting and self.free and len(batch) < self.prefill_rows:
+                if _restores(self.prefix_cache, self.waiting[0]) and \
+                        any(r.prompt == self.waiting[0].prompt for r in batch):
+                    break  # a sibling (n > 1): next batch, where it restores this one's snapshot and shares its pages
                 if not self._pages_for(self.waiting[0], self.free[0], relied):
                     stats.page_waits += 1
                     blocked = True  # first come, first served: later requests wait behind it
@@ -282,7 +291,7 @@ class Engine:
         for request in batch:
             self.session.reset_slot(request.slot)
             request.length = 0
-            hit = cache.restore(self.session, request.slot, request.prompt) if cache is not None else None
+            hit = cache.restore(self.session, request.slot, request.prompt) if _restores(cache, request) else None
             # What the slot still needs now that its shared pages are known. Admission reserved for
             # the hit it expected; a different one (from L2, copied) may need more than can be had.
             committed, span = hit.length if hit else 0, self.span(request)
@@ -303,6 +312,10 @@ class Engine:
                                slot_ids=[r.slot for r in rows], positions=[r.length for r in rows],
                                new_tokens=[len(p) for p in pieces])
             for i, (request, piece) in enumerate(zip(rows, pieces)):
+                if request.prompt_logprobs is not None:  # what each position predicts of the next prompt token
+                    following = request.prompt[request.length + 1 : request.length + 1 + len(piece)]
+                    request.prompt_token_logprobs += token_logprobs(download({}, {"logits": out["logits"][i]})[
+                        "logits"], following, request.prompt_logprobs)
                 request.length += len(piece)
                 logits = out["logits"][i, len(piece) - 1].clone()  # the next replay reuses out
                 if request.length == len(request.prompt):
@@ -314,25 +327,30 @@ class Engine:
         device = self.session.device
         firsts = self._choose(batch, torch.stack([last[r.slot].to(device) for r in batch]))
         now = time.perf_counter()
-        for request, (token, gap) in zip(batch, firsts):
+        for request, (token, gap, logprobs) in zip(batch, firsts):
             request.pending = token
             request.first_token_at = now
-            self._emit(request, [token], [gap], stats)
+            if not request.done:  # a request that failed choosing emits nothing
+                self._emit(request, [token], [gap], stats, logprobs)
             stats.prefill_tokens += len(request.prompt)
         return deferred
 
     def _choose(self, rows: list[RequestState], logits: torch.Tensor) -> list[tuple[int, float]]:
         """(token, margin) per row from logits [rows, vocab] on the device, in one transfer:
         greedy rows take the argmax, sampled rows draw from their logits, fetched with it."""
-        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
-        host = _fetch(logits, sampled)
+        fetched = _host_rows(rows)
+        host = _fetch(logits, fetched)
         out = []
         for i, request in enumerate(rows):
-            token = host["targets"][i]
-            if request.temperature > 0:
-                probs = probabilities(host["logits"][sampled.index(i)], request.temperature, request.top_p)
-                token = draw(probs, request.generator)
-            out.append((token, host["margins"][i]))
+            row = host["logits"][fetched.index(i)].unsqueeze(0) if i in fetched else None
+
+            def choose(request=request, row=row, target=host["targets"][i]):
+                token = draw(probabilities(row[0], request.temperature, request.top_p), request.generator) \
+                    if request.temperature > 0 else target
+                return [token], _logprobs(request, row, [token])
+
+            emitted, logprobs = _isolated(request, choose, [host["targets"][i]])
+            out.append((emitted[0], host["margins"][i], logprobs))
         return out
 
     def _drafts(self, rows: list[RequestState], stats: StepStats) -> Drafts:
@@ -372,33 +390,37 @@ class Engine:
         drafts = self._drafts(rows, stats)
         # A block ended early (low draft confidence) is padded; acceptance stops at its end.
         logits = self._replay("verify", stats, token_ids=drafts.block, slot_ids=slots, positions=positions)["logits"]
-        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
-        host = _fetch(logits, sampled, drafts)
+        fetched = _host_rows(rows)
+        host = _fetch(logits, fetched, drafts)
+        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]  # q's rows, in order
         results = []
         for i, request in enumerate(rows):
             draft = drafts.host[i] if drafts.host is not None else host["draft_ids"][i][: host["drafts_kept"][i]]
-            targets = host["targets"][i]
-            if request.temperature == 0:
-                emitted = accept_greedy(draft, targets) if self.speculative else targets[:1]
-            else:
-                j = sampled.index(i)
-                p = probabilities(host["logits"][j], request.temperature, request.top_p)
-                if self.speculative:
-                    q = host["q"][j] if "q" in host else None
-                    emitted = accept_sampled(draft, q, p, request.generator)
+            row = host["logits"][fetched.index(i)] if i in fetched else None
+            q = host["q"][sampled.index(i)] if "q" in host and request.temperature > 0 else None
+
+            def accept(request=request, draft=draft, targets=host["targets"][i], row=row, q=q):
+                if request.temperature == 0:
+                    emitted = accept_greedy(draft, targets) if self.speculative else targets[:1]
                 else:
-                    emitted = [draw(p[0], request.generator)]
+                    p = probabilities(row, request.temperature, request.top_p)
+                    emitted = accept_sampled(draft, q, p, request.generator) if self.speculative \
+                        else [draw(p[0], request.generator)]
+                return emitted, _logprobs(request, row, emitted)
+
+            emitted, logprobs = _isolated(request, accept, host["targets"][i][:1])
             accepted = len(emitted) - 1
             stats.drafted += len(draft)
             stats.accepted += accepted
+            stats.accepted_lengths.append(accepted)
             request.accepted += accepted
-            results.append((emitted, host["margins"][i][: len(emitted)]))
+            results.append((emitted, host["margins"][i][: len(emitted)], logprobs))
         # Commit pending plus the accepted drafts; the last emitted token becomes pending.
         self._replay("commit", stats, slot_ids=slots, positions=positions,
-                     accepted_tokens=[len(emitted) for emitted, _ in results])
-        for request, (emitted, margins) in zip(rows, results):
+                     accepted_tokens=[len(emitted) for emitted, _, _ in results])
+        for request, (emitted, margins, logprobs) in zip(rows, results):
             request.length += len(emitted)
-            self._finish_step(request, emitted, margins, stats)
+            self._finish_step(request, emitted, margins, stats, logprobs)
 
     def _decode_one(self, rows: list[RequestState], stats: StepStats) -> None:
         """One token per row through decode (or prefill), which writes the pending token's rows directly."""
@@ -408,20 +430,23 @@ class Engine:
         width = self.session.package.passes[name].width
         out = self._replay(name, stats, token_ids=[[r.pending] + [0] * (width - 1) for r in rows],
                            slot_ids=slots, positions=[r.length for r in rows], new_tokens=[1] * len(rows))
-        for request, (token, gap) in zip(rows, self._choose(rows, out["logits"][:, 0])):
+        for request, (token, gap, logprobs) in zip(rows, self._choose(rows, out["logits"][:, 0])):
             request.length += 1
-            self._finish_step(request, [token], [gap], stats)
+            self._finish_step(request, [token], [gap], stats, logprobs)
 
-    def _finish_step(self, request: RequestState, emitted: list[int], margins: list[float], stats: StepStats) -> None:
+    def _finish_step(self, request: RequestState, emitted: list[int], margins: list[float], stats: StepStats,
+                     logprobs=None) -> None:
         request.pending = emitted[-1]
         request.steps += 1
         stats.rows += 1
         stats.bonus += 1
-        self._emit(request, emitted, margins, stats)
+        if not request.done:  # a request that failed this step emits nothing
+            self._emit(request, emitted, margins, stats, logprobs)
 
-    def _emit(self, request: RequestState, tokens: list[int], margins: list[float], stats: StepStats) -> None:
+    def _emit(self, request: RequestState, tokens: list[int], margins: list[float], stats: StepStats,
+              logprobs=None) -> None:
         before = len(request.tokens)
-        request.emit(tokens, margins)
+        request.emit(tokens, margins, logprobs)
         stats.generated += len(request.tokens) - before
 
 
@@ -455,20 +480,45 @@ def check_rows(row_ids: list[int], allowed: list[int]) -> None:
         seen.add(row)
 
 
-def _fetch(logits: torch.Tensor, sampled: list[int], drafts: Drafts | None = None) -> dict:
+def _fetch(logits: torch.Tensor, fetched: list[int], drafts: Drafts | None = None) -> dict:
     """What the host needs of a pass's logits [rows, ..., vocab], in one transfer: the argmax
     and the margin at each position, the drafts a draft pass left on the device and how many
-    of each row count, and for the `sampled` rows their logits and the draft distributions
-    they drew from."""
+    of each row count, the logits of the `fetched` rows (sampled, or asking for logprobs), and
+    the draft distributions the sampled rows drew from."""
     lists = {"targets": logits.argmax(-1), "margins": top_two_gap(logits)}
     if drafts is not None and drafts.ids is not None:
         lists |= {"draft_ids": drafts.ids, "drafts_kept": drafts.kept}
     tensors = {}
-    if sampled:
-        tensors["logits"] = logits.index_select(0, to_device(sampled, torch.int64, logits.device))
-        if drafts is not None and drafts.q is not None:
-            tensors["q"] = drafts.q
+    if fetched:
+        tensors["logits"] = logits.index_select(0, to_device(fetched, torch.int64, logits.device))
+    if drafts is not None and drafts.q is not None:
+        tensors["q"] = drafts.q
     return download(lists, tensors)
+
+
+def _host_rows(rows: list[RequestState]) -> list[int]:
+    """The rows whose logits the host reads: sampled ones, and those asking for logprobs."""
+    return [i for i, r in enumerate(rows) if r.temperature > 0 or r.logprobs is not None]
+
+
+def _logprobs(request: RequestState, logits: torch.Tensor | None, emitted: list[int]):
+    return None if request.logprobs is None else token_logprobs(logits, emitted, request.logprobs)
+
+
+def _isolated(request: RequestState, decide, fallback: list[int]):
+    """decide() for one request; an error in it (a distribution the sampler cannot draw from)
+    fails that request alone: it emits nothing more, its slot commits `fallback` and retires."""
+    try:
+        return decide()
+    except (RuntimeError, ValueError, ArithmeticError) as exc:
+        request.finish_reason, request.error = "error", f"{type(exc).__name__}: {exc}"
+        return fallback, None
+
+
+def _restores(cache, request: RequestState) -> bool:
+    """Whether a prompt starts from a prefix snapshot: not when its prompt logprobs are asked,
+    which need every position prefilled."""
+    return cache is not None and request.prompt_logprobs is None
 
 
 def _generator(key: tuple) -> torch.Generator:

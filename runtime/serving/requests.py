@@ -7,6 +7,7 @@ failing mid-run with other requests half decoded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,23 @@ class Request:
     seed: int | None = None  # sampling seed of this request; default: derived from the engine's seed
     temperature: float | None = None  # this request's sampling temperature; default: the engine's
     top_p: float | None = None  # nucleus sampling mass in (0, 1]; default: the engine's
+    min_tokens: int = 0  # a stop token ends the request only once this many tokens were generated
+    logprobs: int | None = None  # each generated token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (prefills it all)
+
+
+# Temperatures below this decode greedily: 1/T would scale logits past what float64 softmax
+# keeps apart, and a denormal T overflows it to inf (vLLM's sampler draws the same line).
+GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target's raw logits (before temperature and top-p),
+    and the `top` most likely tokens as (token id, log-probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -44,7 +62,7 @@ class RequestState:
     pending: int = -1
     tokens: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # top-2 logit gap behind each emitted token
-    finish_reason: str | None = None  # "length", "stop", or "cancelled" (Engine.cancel)
+    finish_reason: str | None = None  # "length", "stop", "cancelled" (Engine.cancel) or "error"
     steps: int = 0  # decoding steps this request took part in
     accepted: int = 0  # drafts of this request the target accepted
     submitted_at: float = 0.0
@@ -54,6 +72,12 @@ class RequestState:
     top_p: float = 1.0
     cached_tokens: int = 0  # prompt tokens a prefix snapshot restored instead of prefill
     prefix_tier: str | None = None  # where that snapshot came from: "l1" or "l2"
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when logprobs is set
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt[1:], when asked
+    error: str | None = None  # why the request failed (finish_reason "error"); other requests go on
 
     @property
     def done(self) -> bool:
@@ -68,12 +92,15 @@ class RequestState:
     def first_token_s(self) -> float:
         return self.first_token_at - self.submitted_at
 
-    def emit(self, tokens: list[int], margins: list[float]) -> None:
-        """Hand tokens to the request, stopping at a stop token or at max_new_tokens."""
-        for token, gap in zip(tokens, margins):
+    def emit(self, tokens: list[int], margins: list[float], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Hand tokens to the request, stopping at a stop token (once min_tokens are out) or at
+        max_new_tokens; `logprobs`, when the request asked for them, go with their tokens."""
+        for i, (token, gap) in enumerate(zip(tokens, margins)):
             self.tokens.append(token)
             self.margins.append(gap)
-            if token in self.stop:
+            if logprobs is not None:
+                self.token_logprobs.append(logprobs[i])
+            if token in self.stop and len(self.tokens) >= self.min_tokens:
                 self.finish_reason = "stop"
             elif len(self.tokens) >= self.max_new_tokens:
                 self.finish_reason = "length"
@@ -114,10 +141,17 @@ def check_request(request: Request, label: str, vocab_size: int, max_seq_len: in
     if request.seed is not None and not _is_int(request.seed):
         raise ValueError(f"request {label}: seed must be an integer, got {request.seed!r}")
     temperature, top_p = request.temperature, request.top_p
-    if temperature is not None and not (_is_number(temperature) and temperature >= 0):
-        raise ValueError(f"request {label}: temperature must be a number >= 0, got {temperature!r}")
+    if temperature is not None and not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"request {label}: temperature must be a finite number >= 0, got {temperature!r}")
     if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
         raise ValueError(f"request {label}: top_p must be a number in (0, 1], got {top_p!r}")
+    if not _is_int(request.min_tokens) or not 0 <= request.min_tokens <= max_new:
+        raise ValueError(f"request {label}: min_tokens must be an integer in [0, max_new_tokens {max_new}], "
+                         f"got {request.min_tokens!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(request, name)
+        if value is not None and not (_is_int(value) and 0 <= value <= vocab_size):
+            raise ValueError(f"request {label}: {name} must be an integer in [0, {vocab_size}], got {value!r}")
 
 
 def _is_number(value) -> bool:

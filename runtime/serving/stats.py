@@ -8,7 +8,7 @@ sampling, the resampled token). So a row-step emits accepted + 1 tokens.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Counters:
 @dataclass
 class StepStats(Counters):
     step: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted, per row-step that verified
 
     def as_dict(self) -> dict:
         return {"step": self.step, **asdict(self), **self.derived()}
