@@ -26,6 +26,9 @@ from paths import ROOT
 # Strings that equal an exporter name by coincidence, by file, and what they are instead.
 NOT_BUFFER_NAMES = {
     ("runtime/prefix/snapshot_file.py", "tokens"): "the snapshot file's own entry for a prefix's token ids",
+    ("runtime/serving/http/choices.py", "tokens"): "the OpenAI API's logprobs field of token strings",
+    ("runtime/serving/http/tokenize.py", "tokens"): "vLLM's /tokenize and /detokenize field of token ids",
+    ("runtime/serving/http/schemas.py", "tokens"): "vLLM's /detokenize field, in its request schema",
 }
 
 

@@ -114,12 +114,13 @@ class TextCodec:
             if self._template is None:
                 self._template = _sandbox().from_string(self.chat_template)
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         eos_token=self._token_text(self.eos_id),
-                                         pad_token=self._token_text(self.pad_id))
+                                         eos_token=self.token(self.eos_id),
+                                         pad_token=self.token(self.pad_id))
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template: {type(exc).__name__}: {exc}") from None
 
-    def _token_text(self, token_id: int | None) -> str | None:
+    def token(self, token_id: int | None) -> str | None:
+        """The token's own string in the vocabulary (None for None)."""
         return None if token_id is None else self._tokenizer.id_to_token(token_id)
 
 

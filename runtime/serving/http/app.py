@@ -1,16 +1,22 @@
-"""The OpenAI API over a Service: routes, the API key, the body limit, and every error as OpenAI's body.
+"""The OpenAI API over a Service: routes, the API key, the body limits, and every error as OpenAI's body.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). With an API key every route but /health needs
-`Authorization: Bearer KEY`. A streamed answer is server-sent events ending in
-`data: [DONE]`; a client that disconnects has its request cancelled in the engine.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /tokenizer_info, GET /health, GET /metrics (Prometheus text) and
+GET /openapi.json. With an API key every route but /health needs `Authorization: Bearer
+KEY`. A streamed answer is server-sent events ending in `data: [DONE]`; a client that
+disconnects has its request cancelled in the engine. An `X-Request-Id` header comes back
+on the response (one is made when the client sends none).
+
+No exception leaves a route: whatever one raises becomes an OpenAI error body with its
+status, so the connection stays open for the client's next request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
-import json
+import re
 import time
 import uuid
 
@@ -18,13 +24,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from b12x_toolchain.runtime.serving.http.codec import AnswerText
-from b12x_toolchain.runtime.serving.http.engine_loop import Ticket, Update
-from b12x_toolchain.runtime.serving.http.errors import APIError, bad_request
+from b12x_toolchain.runtime.serving.http import schemas
+from b12x_toolchain.runtime.serving.http.body import read_json
+from b12x_toolchain.runtime.serving.http.choices import Answer, Delta
+from b12x_toolchain.runtime.serving.http.engine_loop import Ticket
+from b12x_toolchain.runtime.serving.http.errors import APIError
 from b12x_toolchain.runtime.serving.http.protocol import Generation, parse
-from b12x_toolchain.runtime.serving.http.responses import Shaper, sse, usage
+from b12x_toolchain.runtime.serving.http.responses import Shaper, join, sse
+from b12x_toolchain.runtime.serving.http.tokenize import detokenize, tokenize, tokenizer_info
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # a client's X-Request-Id: printable ASCII, bounded
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -32,7 +42,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def create_app(service) -> FastAPI:
-    app = FastAPI(title="b12x", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="b12x", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     metrics = service.metrics
 
     def refuse(error: APIError) -> JSONResponse:
@@ -48,10 +58,18 @@ def create_app(service) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return refuse(APIError(exc.status_code, str(exc.detail), kind))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        # No traceback leaves the server: the client gets the error's type and message.
-        return refuse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+    def guarded(route):
+        """No exception leaves the route: Starlette answers one that does with a 500 and then
+        closes the connection, dropping whatever the client sent behind it."""
+        @functools.wraps(route)
+        async def run(request: Request):
+            try:
+                return await route(request)
+            except APIError as error:
+                return refuse(error)
+            except Exception as exc:  # no traceback leaves the server: the client gets type and message
+                return refuse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        return run
 
     def authorize(request: Request) -> None:
         key = service.options.api_key
@@ -63,140 +81,144 @@ def create_app(service) -> FastAPI:
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
                            code="invalid_api_key")
 
-    async def read_json(request: Request):
-        limit = service.options.max_body_bytes
-        too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
-                             code="request_too_large")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    async def body_of(request: Request):
+        authorize(request)
+        return await read_json(request, service.options.max_body_bytes, service.options.body_timeout_s)
 
     @app.get("/health")
-    async def health():
+    @guarded
+    async def health(request: Request):
         if not service.loop.admitting or service.loop.failure is not None:
             return JSONResponse({"status": "draining" if service.loop.failure is None else "failed"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
+    @guarded
     async def prometheus(request: Request):
         authorize(request)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
+    @guarded
     async def models(request: Request):
         authorize(request)
         card = {"id": service.model_name, "object": "model", "created": int(service.started), "owned_by": "b12x",
                 "max_model_len": service.limits.max_seq_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/tokenize", openapi_extra=schemas.TOKENIZE)
+    @guarded
+    async def tokenize_route(request: Request):
+        return tokenize(await body_of(request), service.codec, service.limits)
+
+    @app.post("/detokenize", openapi_extra=schemas.DETOKENIZE)
+    @guarded
+    async def detokenize_route(request: Request):
+        return detokenize(await body_of(request), service.codec)
+
+    @app.get("/tokenizer_info")
+    @guarded
+    async def tokenizer_info_route(request: Request):
+        authorize(request)
+        return tokenizer_info(service.codec, service.limits)
+
+    @app.post("/v1/completions", openapi_extra=schemas.COMPLETION)
+    @guarded
     async def completions(request: Request):
         return await generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=schemas.CHAT)
+    @guarded
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
     async def generate(request: Request, chat: bool):
         arrived = time.perf_counter()
-        authorize(request)
-        body = await read_json(request)
+        body = await body_of(request)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        client_id = request.headers.get("x-request-id")
+        headers = {"X-Request-Id": client_id if client_id and REQUEST_ID.fullmatch(client_id) else request_id}
         generation = parse(body, chat, service.codec, service.limits, request_id)
         model = body.get("model")
         if model is not None and model != service.model_name:
             raise APIError(404, f"model {model!r} is not served here; this server serves {service.model_name!r}",
                            "not_found_error", "model", "model_not_found")
-        ticket = Ticket(request_id, arrived)
-        service.loop.submit(generation.request, ticket)
+        updates = asyncio.Queue()
+        tickets = [Ticket(r.id, arrived, i, updates) for i, r in enumerate(generation.requests)]
+        service.loop.submit(generation.requests, tickets)
+        run = Run(service.loop, tickets, Answer(generation, service.codec))
         shaper = Shaper(request_id, service.model_name, chat)
-        text = AnswerText(service.codec, generation.stop_strings) if generation.text else None
         if generation.stream:
             # The status line waits for the first tokens, so a request the engine refuses gets its code.
-            first = await watched_update(request, ticket, text)
+            first = await run.watched(request)
             if first is None:
                 return Response(status_code=499)  # nobody reads it: the client is gone
-            return StreamingResponse(stream(generation, ticket, shaper, text, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await collect(request, ticket, shaper, text)
+            return StreamingResponse(stream(generation, run, shaper, first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"} | headers)
+        return JSONResponse(await collect(request, run, shaper), headers=headers)
 
-    async def next_update(ticket: Ticket, text: AnswerText | None) -> tuple[Update, str, list[int]]:
-        """The next update, its new text and the answer's ids in it; a stop string found in it
-        cancels the request."""
-        update = await ticket.updates.get()
-        if update.error is not None:
-            raise update.error
-        if text is None:
-            return update, "", update.tokens
-        piece, ids = text.push(update.tokens)
-        if text.stopped and update.finish_reason is None:
-            service.loop.cancel(ticket.id, outcome="stop")
-        if update.finish_reason is not None:
-            piece += text.finish()
-        return update, piece, ids
+    async def collect(request: Request, run: "Run", shaper: Shaper):
+        deltas: list[list[Delta]] = [[] for _ in run.tickets]
+        try:
+            while not run.answer.finished:
+                delta = await run.watched(request)
+                if delta is None:
+                    return Response(status_code=499)  # nobody reads it: the client is gone
+                deltas[delta.index].append(delta)
+        finally:
+            run.cancel_unfinished()
+        return shaper.response([join(d, i) for i, d in enumerate(deltas)], run.answer.usage())
 
-    def finish_reason(update: Update, text: AnswerText | None) -> str:
-        return "stop" if text is not None and text.stopped else update.finish_reason
-
-    async def watched_update(request: Request, ticket: Ticket, text: AnswerText | None):
-        """next_update, watching the client meanwhile: None, its request cancelled, once it has gone."""
-        while True:
-            try:
-                return await asyncio.wait_for(next_update(ticket, text), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    service.loop.cancel(ticket.id)
-                    return None
-
-    async def collect(request: Request, ticket: Ticket, shaper: Shaper, text: AnswerText | None):
-        pieces, ids = [], []
-        while True:
-            got = await watched_update(request, ticket, text)
-            if got is None:
-                return Response(status_code=499)  # nobody reads it: the client is gone
-            update, piece, answer = got
-            pieces.append(piece)
-            ids += answer
-            if update.finish_reason is not None:
-                break
-        use = usage(update.prompt_tokens, update.completion_tokens, update.cached_tokens)
-        return shaper.response("".join(pieces), ids, finish_reason(update, text), use)
-
-    async def stream(generation: Generation, ticket: Ticket, shaper: Shaper, text: AnswerText | None, first):
-        finished, opening = False, True
-        update, piece, answer = first
+    async def stream(generation: Generation, run: "Run", shaper: Shaper, first: Delta):
+        opened, delta = set(), first
         try:
             while True:
-                if answer or piece or opening:
-                    yield sse(shaper.chunk(piece, answer, role=opening))
-                    opening = False
-                if update.finish_reason is not None:
-                    finished = True
-                    yield sse(shaper.chunk("", [], finish_reason(update, text)))
+                if delta.text or delta.token_ids or delta.logprobs or delta.finish_reason or delta.index not in opened:
+                    use = run.answer.usage() if generation.continuous_usage else None
+                    yield sse(shaper.chunk(delta, role=delta.index not in opened, use=use))
+                    opened.add(delta.index)
+                if run.answer.finished:
                     if generation.include_usage:
-                        yield sse(shaper.usage_chunk(usage(update.prompt_tokens, update.completion_tokens,
-                                                           update.cached_tokens)))
+                        yield sse(shaper.usage_chunk(run.answer.usage()))
                     break
                 try:
-                    update, piece, answer = await next_update(ticket, text)
+                    delta = await run.next()
                 except APIError as error:  # the engine failed mid-stream, long after the status line
                     metrics.refused.labels(str(error.status)).inc()
-                    finished = True
                     yield sse(error.body())
                     break
             yield sse("[DONE]")
         finally:
-            if not finished:  # the client went away mid-stream: its slot and pages go back now
-                service.loop.cancel(ticket.id)
+            run.cancel_unfinished()  # a client gone mid-stream, or a choice failed: slots and pages go back now
 
     return app
+
+
+class Run:
+    """One request's choices in the engine: the next delta of any of them, as its updates come."""
+
+    def __init__(self, loop, tickets: list[Ticket], answer: Answer):
+        self.loop, self.tickets, self.answer = loop, tickets, answer
+
+    async def next(self) -> Delta:
+        update = await self.tickets[0].updates.get()  # the queue all of them share
+        if update.error is not None:
+            raise update.error
+        ticket = self.tickets[update.index]
+        return self.answer.choices[update.index].push(update, lambda: self.loop.cancel(ticket.id, outcome="stop"))
+
+    async def watched(self, request: Request) -> Delta | None:
+        """next(), watching the client meanwhile: None, every choice cancelled, once it has gone."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.next(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel_unfinished()
+                    return None
+
+    def cancel_unfinished(self) -> None:
+        for ticket, choice in zip(self.tickets, self.answer.choices):
+            if choice.finish_reason is None:
+                self.loop.cancel(ticket.id)

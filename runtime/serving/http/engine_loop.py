@@ -5,8 +5,8 @@ captured, on this thread) and is then the only thread that touches it: a CUDA gr
 current device and the current stream are per thread, so graphs are replayed on the
 thread that captured them. What building raises is raised by `start`, in its caller.
 
-Handlers hand requests to the loop (`submit`) and read what it sends back from their
-`Ticket`. Between two `engine.step()` calls the loop queues new requests, cancels those
+Handlers hand requests to the loop (`submit`: the choices of one HTTP request, all or
+none) and read what it sends back from their `Ticket`s, which share one queue. Between two `engine.step()` calls the loop queues new requests, cancels those
 whose client went away (their slot and pages return before the next step), then steps and
 hands every request its new tokens. So requests join and leave the running batch at every
 step.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from b12x_toolchain.runtime.serving.http.errors import APIError
-from b12x_toolchain.runtime.serving.requests import Request, RequestState
+from b12x_toolchain.runtime.serving.requests import Request, RequestState, TokenLogprob
 
 RETRY_AFTER_S = 1
 
@@ -40,15 +40,19 @@ class Update:
     completion_tokens: int = 0  # every token generated so far (a hidden stop token included)
     cached_tokens: int = 0
     error: APIError | None = None
+    index: int = 0  # the choice this update belongs to
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a request's first update, when it asked
 
 
 class Ticket:
-    """A handler's end of one request: updates arrive on its asyncio queue, from the loop thread."""
+    """A handler's end of one request (one choice of an HTTP request): updates arrive on the
+    asyncio queue it may share with the request's other choices, from the loop thread."""
 
-    def __init__(self, request_id: str, arrived: float):
-        self.id = request_id
+    def __init__(self, request_id: str, arrived: float, index: int = 0, updates: asyncio.Queue | None = None):
+        self.id, self.index = request_id, index
         self.arrived = arrived  # perf_counter() when the request reached the server
-        self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        self.updates: asyncio.Queue[Update] = asyncio.Queue() if updates is None else updates
         self._event_loop = asyncio.get_running_loop()
 
     def put(self, update: Update) -> None:
@@ -92,18 +96,19 @@ class EngineLoop:
 
     # -- handler side (event-loop thread) ------------------------------------------------
 
-    def submit(self, request: Request, ticket: Ticket) -> None:
+    def submit(self, requests: list[Request], tickets: list[Ticket]) -> None:
+        """Queue the choices of one HTTP request: all of them, or (refused) none."""
         with self._lock:
             if not self.admitting or self.failure is not None:
                 raise APIError(503, "the server is shutting down and admits no new requests", "server_error",
                                code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
             # Requests handed over but not yet taken may still find a free slot: they count as waiting
             # only beyond the slots that were free.
-            if max(0, len(self._inbox) + 1 - self._free) + self._waiting > self.max_queue:
+            if max(0, len(self._inbox) + len(requests) - self._free) + self._waiting > self.max_queue:
                 raise APIError(503, f"the request queue is full ({self.max_queue} requests wait for a slot); "
                                "retry later", "server_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
-            self._inbox.append((request, ticket))
+            self._inbox += zip(requests, tickets)
         self._wake.set()
 
     def cancel(self, request_id: str, outcome: str = "cancelled") -> None:
@@ -175,7 +180,7 @@ class EngineLoop:
         try:
             (state,) = self.engine.submit([request])
         except ValueError as exc:  # protocol.parse checked the limits; this is the engine's last word
-            ticket.put(Update([], error=APIError(400, str(exc))))
+            ticket.put(Update([], error=APIError(400, str(exc)), index=ticket.index))
             return
         self._tracked[state.id] = _Tracked(state, ticket)
 
@@ -201,8 +206,14 @@ class EngineLoop:
             if state.finish_reason == "stop" and new and new[-1] in state.stop:
                 shown = new[:-1]  # as OpenAI does, the stop token itself is not part of the answer
             reason = tracked.outcome or state.finish_reason
+            logprobs = state.token_logprobs[len(state.tokens) - len(new) :][: len(shown)] \
+                if state.logprobs is not None else None
+            prompt_logprobs = state.prompt_token_logprobs if state.prompt_logprobs is not None and \
+                len(state.tokens) == len(new) else None  # the request's first update
+            error = APIError(500, f"the request failed: {state.error}", "server_error", code="request_failed") \
+                if state.error is not None else None
             tracked.ticket.put(Update(shown, reason if state.done else None, len(state.prompt), len(state.tokens),
-                                      state.cached_tokens))
+                                      state.cached_tokens, error, tracked.ticket.index, logprobs, prompt_logprobs))
             if state.done:
                 del self._tracked[request_id]
                 self._count_finished(state, reason)
@@ -238,6 +249,6 @@ class EngineLoop:
             self.failure = f"{type(exc).__name__}: {exc}"
         error = APIError(500, f"the engine failed: {self.failure}", "server_error", code="engine_failure")
         for request_id, tracked in list(self._tracked.items()):
-            tracked.ticket.put(Update([], error=error))
+            tracked.ticket.put(Update([], error=error, index=tracked.ticket.index))
             self._count_finished(tracked.state, "error")
         self._tracked.clear()

@@ -6,6 +6,10 @@ prompt and generated tokens. Latency: time to first token from the request's arr
 and the gap between tokens (a step that emits k tokens counts its gap k times, over k).
 The engine: queue depth, running requests, drafted and accepted tokens, tokens per
 row-step, prefix-cache hits by tier and the prompt tokens they restored, pages in use.
+
+The same speculation counts also go out under the names vLLM gives them (`vllm:spec_decode_*`,
+scraped by `vllm bench serve` and dashboards made for vLLM): a draft is one row-step that
+verified drafts, and per position i, how many of those accepted more than i drafts.
 """
 
 from __future__ import annotations
@@ -43,10 +47,25 @@ class ServerMetrics:
         self.pages_in_use = Gauge("b12x_pages_in_use", "Cache pages held by slots or snapshots", ["pool"],
                                   registry=registry)
         self.pages = Gauge("b12x_pages", "Cache pages of each pool", ["pool"], registry=registry)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Row-steps that verified drafts",
+                                   registry=registry)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                         registry=registry)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                     registry=registry)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Row-steps that accepted the draft at each position", ["position"],
+                                             registry=registry)
 
     def record_step(self, step: dict) -> None:
         self.drafted.inc(step["drafted"])
         self.accepted.inc(step["accepted"])
+        lengths = step["accepted_lengths"] if step["drafted"] else []
+        self.spec_drafts.inc(len(lengths))
+        self.spec_draft_tokens.inc(step["drafted"])
+        self.spec_accepted.inc(step["accepted"])
+        for position in range(max(lengths, default=0)):
+            self.spec_accepted_per_pos.labels(str(position)).inc(sum(n > position for n in lengths))
         if step["rows"]:
             self.tokens_per_step.observe(step["tokens_per_step"])
 

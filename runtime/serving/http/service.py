@@ -38,6 +38,7 @@ class ServeOptions:
     max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a request body must arrive within this; a trickled one gets 408
     capture: object = None  # how the session captures each bucket (session/capture.py); default by device
 
 

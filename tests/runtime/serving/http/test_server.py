@@ -104,7 +104,7 @@ def test_metrics_agree_with_the_responses(server):
     cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
     assert cached > 0
     with pytest.raises(openai.BadRequestError):
-        api.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, n=2)
+        api.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, presence_penalty=0.5)
     after = scrape(server)
     delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)
     assert delta("b12x_requests_total", outcome="length") == 4
@@ -134,7 +134,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server):
     assert "max_seq_len" in error["message"] and error["param"] == "prompt"
     assert "max_seq_len" in refused(400, json={"prompt": [1, 2], "max_tokens": limit})["message"]
     assert refused(400, json={"prompt": [1, 10**6], "max_tokens": 1})["code"] == "invalid_token_id"
-    assert refused(400, json={"prompt": [1], "logprobs": 2})["param"] == "logprobs"
+    assert refused(400, json={"prompt": [1], "logprobs": 21})["param"] == "logprobs"
     assert refused(400, json={"prompt": [1], "best_of": 3})["param"] == "best_of"
     assert refused(400, json={"prompt": [1], "frobnicate": 1})["code"] == "unknown_parameter"
     assert refused(404, json={"prompt": [1], "model": "other"})["code"] == "model_not_found"
