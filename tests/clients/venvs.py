@@ -1,0 +1,92 @@
+"""Virtual environments of the real clients users point at `b12x serve`, made on demand.
+
+Each client gets its own venv under the repository's `.venv-clients/<name>/` (git ignores
+it), made by the system `python3 -m venv` and `pip install` of exact pins. A stamp file,
+written last, records what was installed; a venv whose stamp names the same pins is reused,
+any other is made again. Two pytest workers asking at once are serialised by a file lock
+beside the venv: the second waits, then finds the first one's stamp. Every pip run has a
+time limit, so a hung download fails the test instead of the suite.
+
+lm-eval's `api` extra pulls no torch. GuideLLM 0.8.1 requires torch outright (no extra
+leaves it out: its only data loader, guidellm/data/loaders/torch.py, imports
+torch.utils.data), so its venv gets torch pinned to the version this project's venv runs:
+pip then takes the same build the project's was installed from where that is offered (a
+local CPU wheel), not the newest CUDA build the constraint allows. Elsewhere, point pip at
+a CPU index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) to keep it small.
+
+`PYTHONPATH=tests .venv/bin/python -m clients.venvs [name ...]` makes them ahead of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from paths import ROOT
+
+VENVS = ROOT / ".venv-clients"
+# name -> pip requirements, each pinned exactly.
+CLIENTS = {
+    "lm-eval": ("lm_eval[api]==0.4.13",),
+    "guidellm": ("guidellm==0.8.1", f"torch=={torch.__version__.split('+')[0]}"),
+}
+INSTALL_TIMEOUT_S = 900  # one venv's creation, pip included; a warm pip cache takes a minute or two
+STAMP = ".client-installed.json"
+
+
+def _stamp(name: str) -> dict:
+    return {"requirements": list(CLIENTS[name])}
+
+
+def _ready(folder: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((folder / STAMP).read_text()) == stamp and (folder / "bin" / "python").exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _run(command: list, deadline: float, what: str) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"{what}: no time left of {INSTALL_TIMEOUT_S} s")
+    try:
+        result = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=left,
+                                env={**os.environ, "PIP_NO_INPUT": "1"})
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{what}: still running after {INSTALL_TIMEOUT_S} s: {' '.join(map(str, command))}") \
+            from None
+    if result.returncode != 0:
+        raise RuntimeError(f"{what}: {' '.join(map(str, command))} exited {result.returncode}\n"
+                           f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
+
+
+def client_venv(name: str) -> Path:
+    """The venv of client `name` (a key of CLIENTS), made first if it is missing or stale."""
+    folder, stamp = VENVS / name, _stamp(name)
+    if _ready(folder, stamp):
+        return folder
+    VENVS.mkdir(exist_ok=True)
+    with FileLock(str(folder) + ".lock", timeout=INSTALL_TIMEOUT_S + 60):
+        if _ready(folder, stamp):  # another worker made it while this one waited
+            return folder
+        deadline = time.monotonic() + INSTALL_TIMEOUT_S
+        shutil.rmtree(folder, ignore_errors=True)  # a stale or half-made one
+        _run(["python3", "-m", "venv", folder], deadline, f"making the {name} venv")
+        _run([folder / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check",
+              *CLIENTS[name]], deadline, f"installing {name}")
+        (folder / STAMP).write_text(json.dumps(stamp))
+    return folder
+
+
+if __name__ == "__main__":
+    for client in sys.argv[1:] or CLIENTS:
+        start = time.monotonic()
+        print(client, client_venv(client), f"{time.monotonic() - start:.0f} s")
