@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from b12x_toolchain.runtime import load
-from clients.serving import start_recorded_server, write_tokenizer
+from clients.serving import write_tokenizer
 from clients.venvs import client_venv
 
 pytestmark = [pytest.mark.slow(minutes=0.5), pytest.mark.exports, pytest.mark.usefixtures("one_torch_thread")]
@@ -27,13 +27,6 @@ pytestmark = [pytest.mark.slow(minutes=0.5), pytest.mark.exports, pytest.mark.us
 RUN_TIMEOUT_S = 240
 PROMPT_TOKENS, OUTPUT_TOKENS = 16, 8
 PROFILES = {"synchronous": ("kind=synchronous", 3), "concurrent": ("kind=concurrent,streams=4", 8)}  # profile, requests
-
-
-@pytest.fixture(scope="module")
-def served(shipped_path):
-    server, recorder = start_recorded_server(shipped_path)
-    yield server, recorder
-    server.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from b12x_toolchain.runtime import load
-from clients.serving import assert_text_is_greedy, continuation_logprob, greedy_states, start_recorded_server
+from clients.serving import assert_text_is_greedy, continuation_logprob, greedy_states
 from clients.venvs import client_venv
 
 pytestmark = [pytest.mark.slow(minutes=0.6), pytest.mark.exports, pytest.mark.usefixtures("one_torch_thread")]
@@ -82,13 +82,6 @@ def write_tasks(folder, data) -> None:
 @pytest.fixture(scope="module")
 def package(shipped_path):
     return load(shipped_path)
-
-
-@pytest.fixture(scope="module")
-def served(shipped_path):
-    server, recorder = start_recorded_server(shipped_path)
-    yield server, recorder
-    server.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from b12x_toolchain.runtime import load
-from clients.serving import assert_text_is_greedy, greedy_states, start_recorded_server
+from clients.serving import assert_text_is_greedy, greedy_states
 from http_serving import scrape
 
 pytestmark = [pytest.mark.exports, pytest.mark.usefixtures("one_torch_thread")]
@@ -128,13 +128,6 @@ def spec_counters(samples: dict) -> tuple[dict[str, float], dict[int, float]]:
         elif name == PER_POSITION:
             positions[int(dict(labels)["position"])] += value
     return totals, positions
-
-
-@pytest.fixture(scope="module")
-def served(shipped_path):
-    server, recorder = start_recorded_server(shipped_path)
-    yield server, recorder
-    server.shutdown()
 
 
 def random_prompts(codec, count: int, seed: int) -> list[str]:

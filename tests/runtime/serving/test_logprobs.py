@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import b12x_toolchain.runtime.serving.engine as engine_module
 from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from conftest import random_tokens
 from decode_steps import prefill
+from failing_sampler import FAILING_TEMPERATURE, fail_sampling_at
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -112,16 +112,10 @@ def test_a_request_whose_sampling_fails_ends_alone(fused_pkg, monkeypatch):
     session = fused_pkg.session(slots=4)
     others = [Request([3, 1, 4, 1, 5], 6, id="greedy"), Request([2, 7, 1, 8], 6, id="sampled", seed=3, temperature=1.0)]
     alone = [Engine(session).generate([r])[0].tokens for r in others]
-    real = engine_module.probabilities
-
-    def failing(logits, temperature, top_p=1.0):
-        if temperature == 0.5:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, temperature, top_p)
-
-    monkeypatch.setattr(engine_module, "probabilities", failing)
+    fail_sampling_at(monkeypatch)
     engine = Engine(session)
-    states = engine.generate(others[:1] + [Request([6, 6, 6], 6, id="bad", temperature=0.5)] + others[1:])
+    states = engine.generate(others[:1] + [Request([6, 6, 6], 6, id="bad", temperature=FAILING_TEMPERATURE)] +
+                             others[1:])
     bad = states[1]
     assert bad.finish_reason == "error" and "inf, nan" in bad.error and bad.tokens == []
     assert [s.tokens for s in (states[0], states[2])] == alone

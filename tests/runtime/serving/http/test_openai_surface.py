@@ -15,9 +15,9 @@ import httpx
 import pytest
 import torch
 
-import b12x_toolchain.runtime.serving.engine as engine_module
 from b12x_toolchain.runtime import load
 from decode_steps import prefill
+from failing_sampler import FAILING_TEMPERATURE, fail_sampling_at
 from http_serving import metric, scrape, start_server
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=1)]
@@ -193,15 +193,9 @@ def test_hostile_bodies_get_400_on_a_connection_that_stays_open(server):
 
 
 def test_a_failing_request_ends_alone(server, monkeypatch):
-    real = engine_module.probabilities
-
-    def failing(logits, temperature, top_p=1.0):
-        if temperature == 0.5:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, temperature, top_p)
-
-    monkeypatch.setattr(engine_module, "probabilities", failing)
-    response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0.5})
+    fail_sampling_at(monkeypatch)
+    response = httpx.post(server.url + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 3, "temperature": FAILING_TEMPERATURE})
     assert response.status_code == 500 and response.json()["error"]["code"] == "request_failed"
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert completion(server, prompt="x", temperature=0.7, seed=1)["choices"][0]["token_ids"]

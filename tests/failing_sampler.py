@@ -1,0 +1,20 @@
+"""A sampler that fails for one temperature: how a request whose own distribution cannot be
+drawn from (the error torch raises for inf, nan or negative probabilities) is made on demand."""
+
+from __future__ import annotations
+
+import b12x_toolchain.runtime.serving.engine as engine_module
+
+FAILING_TEMPERATURE = 0.5
+
+
+def fail_sampling_at(monkeypatch, temperature: float = FAILING_TEMPERATURE) -> None:
+    """Requests sampling at `temperature` fail choosing their tokens; every other one is untouched."""
+    real = engine_module.probabilities
+
+    def failing(logits, t, top_p=1.0):
+        if t == temperature:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, t, top_p)
+
+    monkeypatch.setattr(engine_module, "probabilities", failing)
