@@ -79,6 +79,7 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}
         self._waiting = 0  # requests the engine holds without a slot, as of the last step
         self._free = 0  # free slots, as of the last step
+        self._slots = 0  # the engine's slots, once built
         self._stopping = False
         self._built = threading.Event()
         self._build_error: BaseException | None = None
@@ -102,6 +103,10 @@ class EngineLoop:
             if not self.admitting or self.failure is not None:
                 raise APIError(503, "the server is shutting down and admits no new requests", "server_error",
                                code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+            if len(requests) > self._slots + self.max_queue:  # waiting would not help: never all admitted
+                raise APIError(400, f"{len(requests)} choices (prompts times n) cannot be queued at once; this "
+                               f"server runs {self._slots} and queues {self.max_queue}", param="n",
+                               code="too_many_choices")
             # Requests handed over but not yet taken may still find a free slot: they count as waiting
             # only beyond the slots that were free.
             if max(0, len(self._inbox) + len(requests) - self._free) + self._waiting > self.max_queue:
@@ -142,7 +147,7 @@ class EngineLoop:
     def _build_engine(self) -> bool:
         try:
             self.engine = self._build()
-            self._free = len(self.engine.free)
+            self._free = self._slots = len(self.engine.free)
         except BaseException as exc:  # handed to start(), in the thread that waits for it
             self._build_error = exc
             return False

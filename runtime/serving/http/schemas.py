@@ -7,18 +7,20 @@ single `enum` value is accepted only at that default.
 
 from __future__ import annotations
 
-from b12x_toolchain.runtime.serving.http.protocol import MAX_LOGPROBS, MAX_STOP
+from b12x_toolchain.runtime.serving.http.protocol import MAX_CHOICES, MAX_LOGPROBS, MAX_STOP
 
 INT, STR, BOOL, NUMBER = {"type": "integer"}, {"type": "string"}, {"type": "boolean"}, {"type": "number"}
+TEXT = {"type": "string", "minLength": 1}
 TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-STOP = {"anyOf": [STR, {"type": "array", "items": STR, "maxItems": MAX_STOP},
+STOP = {"anyOf": [TEXT, {"type": "array", "items": TEXT, "maxItems": MAX_STOP},
                   {"type": "array", "items": INT, "maxItems": MAX_STOP}, {"type": "null"}]}
 STREAM_OPTIONS = {"type": "object", "properties": {"include_usage": BOOL, "continuous_usage_stats": BOOL},
                   "additionalProperties": False}
 SAMPLING = {
     "model": STR, "max_tokens": {"type": "integer", "minimum": 1}, "temperature": NUMBER | {"minimum": 0, "maximum": 2},
     "top_p": NUMBER | {"exclusiveMinimum": 0, "maximum": 1}, "seed": INT, "stop": STOP, "stream": BOOL,
-    "stream_options": STREAM_OPTIONS, "user": STR, "n": {"type": "integer", "minimum": 1}, "ignore_eos": BOOL,
+    "stream_options": STREAM_OPTIONS, "user": STR, "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+    "ignore_eos": BOOL,
     "min_tokens": {"type": "integer", "minimum": 0}, "presence_penalty": {"enum": [0]},
     "frequency_penalty": {"enum": [0]}, "repetition_penalty": {"enum": [1]},
 }
@@ -35,7 +37,7 @@ def _body(properties: dict, required: list[str]) -> dict:
 
 
 COMPLETION = _body(SAMPLING | {
-    "prompt": {"anyOf": [STR, TOKEN_IDS, {"type": "array", "items": STR, "minItems": 1},
+    "prompt": {"anyOf": [TEXT, TOKEN_IDS, {"type": "array", "items": TEXT, "minItems": 1},
                          {"type": "array", "items": TOKEN_IDS, "minItems": 1}]},
     "echo": BOOL, "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}, {"enum": [False]},
                                          {"type": "null"}]},

@@ -93,6 +93,14 @@ def test_n_samples_are_single_requests_with_derived_seeds(server):
     assert len({tuple(c["token_ids"]) for c in many}) > 1
 
 
+def test_more_choices_than_slots_and_queue_hold_is_a_400_not_a_retry(server):
+    loop = server.service.loop
+    too_many = len(server.service.engine.slots) + loop.max_queue + 1
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "n": too_many})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_choices"
+    assert "Retry-After" not in response.headers
+
+
 def test_chat_logprobs_and_continuous_usage_on_a_stream(server):
     messages = [{"role": "user", "content": "write a loop"}]
     body = {"messages": messages, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2,
