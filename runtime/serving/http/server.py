@@ -16,6 +16,7 @@ import time
 import uvicorn
 
 from b12x_toolchain.runtime.serving.http.app import create_app
+from b12x_toolchain.runtime.serving.http.header_deadline import header_deadline_protocol
 
 CLOSE_CONNECTIONS_S = 5.0  # after the grace period: for finished responses to reach their clients
 
@@ -57,7 +58,8 @@ class Server:
         self.socket = bind(host, port)
         self.address: tuple[str, int] = self.socket.getsockname()[:2]  # the port bound, when 0 was asked
         config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=CLOSE_CONNECTIONS_S)
+                                timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
+                                http=header_deadline_protocol(service.options.header_timeout_s))
         self.uvicorn = _Uvicorn(config, self._exit)
         self._draining = False
         self._thread: threading.Thread | None = None

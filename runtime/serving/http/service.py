@@ -39,6 +39,7 @@ class ServeOptions:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # a request body must arrive within this; a trickled one gets 408
+    header_timeout_s: float = 30.0  # a request's headers must arrive within this, or the connection closes
     capture: object = None  # how the session captures each bucket (session/capture.py); default by device
 
 
