@@ -48,6 +48,31 @@ def pytest_configure(config):
     # Tests export the same toy passes over and over (other weights, unfused, other folders):
     # each worker traces a pass once and copies it after (exporter/pipeline/trace_cache.py).
     trace_cache.reuse_traces()
+    # The real clients' venvs (tests/clients) are made while other tests run, once per run: by
+    # the process that starts the workers, or the only one.
+    if not hasattr(config, "workerinput") and _runs_clients(config):
+        from clients.venvs import build_in_background
+
+        config.client_venvs = build_in_background()
+
+
+def pytest_unconfigure(config):
+    building = getattr(config, "client_venvs", None)
+    if building is not None and building.poll() is None:
+        building.terminate()  # a venv left half made has no stamp and is made again next time
+
+
+def _runs_clients(config) -> bool:
+    """Whether the run may select tests/clients (a path above it or in it, and no marker that leaves it out)."""
+    marks = config.option.markexpr or ""
+    if "not exports" in marks or "not slow" in marks:
+        return False
+    clients = (Path(__file__).parent / "clients").resolve()
+    for arg in config.args or [str(Path(config.rootpath) / "tests")]:
+        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
+        if path == clients or path in clients.parents or clients in path.parents:
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -86,6 +86,17 @@ def client_venv(name: str) -> Path:
     return folder
 
 
+def build_in_background() -> subprocess.Popen:
+    """Make every client venv in a child process started now: its downloads and installs then
+    overlap other tests instead of holding a pytest worker; a test that needs a venv still being
+    made waits for it through the lock."""
+    VENVS.mkdir(exist_ok=True)
+    with open(VENVS / "build.log", "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "clients.venvs"], cwd=Path(__file__).parent.parent,
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+
+
 if __name__ == "__main__":
     for client in sys.argv[1:] or CLIENTS:
         start = time.monotonic()
