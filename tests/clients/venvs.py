@@ -9,25 +9,24 @@ time limit, so a hung download fails the test instead of the suite.
 
 lm-eval's `api` extra pulls no torch. GuideLLM 0.8.1 requires torch outright (no extra
 leaves it out: its only data loader, guidellm/data/loaders/torch.py, imports
-torch.utils.data), so its venv gets torch pinned to the version this project's venv runs:
-pip then takes the same build the project's was installed from where that is offered (a
-local CPU wheel), not the newest CUDA build the constraint allows. Elsewhere, point pip at
-a CPU index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) to keep it small.
+torch.utils.data), so its venv links this project's torch (LINKED) instead of installing a
+second copy; pip finds it installed and adds only what it depends on.
 
 `PYTHONPATH=tests .venv/bin/python -m clients.venvs [name ...]` makes them ahead of a run.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
-import torch
 from filelock import FileLock
 
 from paths import ROOT
@@ -36,14 +35,18 @@ VENVS = ROOT / ".venv-clients"
 # name -> pip requirements, each pinned exactly.
 CLIENTS = {
     "lm-eval": ("lm_eval[api]==0.4.13",),
-    "guidellm": ("guidellm==0.8.1", f"torch=={torch.__version__.split('+')[0]}"),
+    "guidellm": ("guidellm==0.8.1",),
 }
+# Packages a client venv takes from the project's venv, linked rather than installed: pip then
+# finds them installed (their dependencies it installs itself). GuideLLM imports torch for its
+# data loader only; a second copy would cost 1.5 GB and a minute or two of unpacking.
+LINKED = {"guidellm": ("torch",)}
 INSTALL_TIMEOUT_S = 900  # one venv's creation, pip included; a warm pip cache takes a minute or two
 STAMP = ".client-installed.json"
 
 
 def _stamp(name: str) -> dict:
-    return {"requirements": list(CLIENTS[name])}
+    return {"requirements": list(CLIENTS[name]), "linked": list(LINKED.get(name, ()))}
 
 
 def _ready(folder: Path, stamp: dict) -> bool:
@@ -68,6 +71,21 @@ def _run(command: list, deadline: float, what: str) -> None:
                            f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
 
 
+def _link(package: str, folder: Path) -> None:
+    """The project's installed `package` in the venv at `folder`: every top-level folder it
+    installs linked (torch brings torchgen and functorch too), its dist-info copied (pip reads
+    that to know what is installed)."""
+    distribution = importlib.metadata.distribution(package)
+    source = Path(distribution.locate_file(""))
+    target = Path(sysconfig.get_path("purelib", vars={"base": str(folder), "platbase": str(folder)}))
+    tops = {file.parts[0] for file in distribution.files or () if file.parts[0] != ".."  # .. : its scripts
+            and (source / file.parts[0]).is_dir() and not file.parts[0].endswith(".dist-info")}
+    for top in sorted(tops):
+        (target / top).symlink_to(source / top, target_is_directory=True)
+    info = source / f"{distribution.metadata['Name']}-{distribution.version}.dist-info"
+    shutil.copytree(info, target / info.name)
+
+
 def client_venv(name: str) -> Path:
     """The venv of client `name` (a key of CLIENTS), made first if it is missing or stale."""
     folder, stamp = VENVS / name, _stamp(name)
@@ -80,6 +98,8 @@ def client_venv(name: str) -> Path:
         deadline = time.monotonic() + INSTALL_TIMEOUT_S
         shutil.rmtree(folder, ignore_errors=True)  # a stale or half-made one
         _run(["python3", "-m", "venv", folder], deadline, f"making the {name} venv")
+        for package in LINKED.get(name, ()):
+            _link(package, folder)
         _run([folder / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check",
               *CLIENTS[name]], deadline, f"installing {name}")
         (folder / STAMP).write_text(json.dumps(stamp))

@@ -16,8 +16,9 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def header_deadline_protocol(timeout_s: float) -> type:
-    """An H11Protocol class whose requests' headers must arrive within timeout_s."""
+def header_deadline_protocol(timeout_s) -> type:
+    """An H11Protocol class whose requests' headers must arrive within timeout_s() seconds
+    (read as each wait starts, so a running server's option can change)."""
 
     class HeaderDeadline(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -42,7 +43,7 @@ def header_deadline_protocol(timeout_s: float) -> type:
 
         def _arm(self) -> None:
             self._disarm()
-            self._deadline = self.loop.call_later(timeout_s, self._expire)
+            self._deadline = self.loop.call_later(timeout_s(), self._expire)
 
         def _disarm(self) -> None:
             if self._deadline is not None:

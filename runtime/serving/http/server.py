@@ -59,7 +59,7 @@ class Server:
         self.address: tuple[str, int] = self.socket.getsockname()[:2]  # the port bound, when 0 was asked
         config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
-                                http=header_deadline_protocol(service.options.header_timeout_s))
+                                http=header_deadline_protocol(lambda: service.options.header_timeout_s))
         self.uvicorn = _Uvicorn(config, self._exit)
         self._draining = False
         self._thread: threading.Thread | None = None

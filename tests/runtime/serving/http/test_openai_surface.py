@@ -226,21 +226,21 @@ def test_a_trickled_body_gets_408_and_holds_no_slot(server):
         server.service.options.body_timeout_s = 30.0
 
 
-def test_trickled_headers_close_the_connection(server, shipped_path):
-    slow_server = start_server(shipped_path, header_timeout_s=0.5)
+def test_trickled_headers_close_the_connection(server):
+    server.service.options.header_timeout_s = 0.5
     try:
-        with socket.create_connection(slow_server.address, timeout=10) as slow:
+        with socket.create_connection(server.address, timeout=10) as slow:
             start = time.monotonic()
             for piece in (b"POST /v1/completions HTTP/1.1\r\n", b"Host: x\r\n", b"Content-Type: appl"):
                 slow.sendall(piece)  # a byte now and then: uvicorn's keep-alive timer alone never fires
                 time.sleep(0.2)
             assert slow.recv(4096) == b"" and time.monotonic() - start < 5  # closed by the server
-        with httpx.Client(base_url=slow_server.url) as kept:  # a request in time is untouched
+        with httpx.Client(base_url=server.url) as kept:  # a request in time is untouched
             assert kept.get("/health").status_code == 200
             time.sleep(0.8)  # idle between requests past the deadline: closed, and httpx reconnects
             assert kept.get("/health").status_code == 200
     finally:
-        slow_server.shutdown()
+        server.service.options.header_timeout_s = 30.0
 
 
 def test_openapi_describes_every_route(server):
