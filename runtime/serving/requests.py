@@ -108,14 +108,14 @@ class RequestState:
                 return
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_request(request: Request, label: str, vocab_size: int, max_seq_len: int) -> None:
     """Raise ValueError naming the request and the problem; the request is otherwise servable."""
     prompt, max_new = request.prompt, request.max_new_tokens
-    if not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+    if not isinstance(prompt, (list, tuple)) or not all(is_int(t) for t in prompt):
         raise ValueError(f"request {label}: prompt must be a list of integer token ids")
     if not prompt:
         raise ValueError(f"request {label}: prompt is empty; at least one token is needed")
@@ -124,7 +124,7 @@ def check_request(request: Request, label: str, vocab_size: int, max_seq_len: in
             # Worded like the session's own input check, which this one runs ahead of.
             raise ValueError(f"request {label}: prompt tokens: value {token} is out of range (index {i}); "
                              f"expected a token id in [0, {vocab_size})")
-    if not _is_int(max_new) or max_new < 1:
+    if not is_int(max_new) or max_new < 1:
         raise ValueError(f"request {label}: max_new_tokens must be an integer of at least 1, got {max_new!r}")
     if len(prompt) >= max_seq_len:
         raise ValueError(f"request {label}: prompt of {len(prompt)} tokens is longer than the model's limit of "
@@ -132,27 +132,28 @@ def check_request(request: Request, label: str, vocab_size: int, max_seq_len: in
     if len(prompt) + max_new > max_seq_len:
         raise ValueError(f"request {label}: prompt of {len(prompt)} tokens plus max_new_tokens {max_new} exceeds "
                          f"the model's max_seq_len {max_seq_len}; at most {max_seq_len - len(prompt)} new tokens fit")
-    if not isinstance(request.stop, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in request.stop):
+    if not isinstance(request.stop, (list, tuple, set, frozenset)) or not all(is_int(t) for t in request.stop):
         raise ValueError(f"request {label}: stop must be a list of integer token ids")
     for token in request.stop:
         if not 0 <= token < vocab_size:
             raise ValueError(f"request {label}: stop token {token} is out of range; "
                              f"expected a token id in [0, {vocab_size})")
-    if request.seed is not None and not _is_int(request.seed):
+    if request.seed is not None and not is_int(request.seed):
         raise ValueError(f"request {label}: seed must be an integer, got {request.seed!r}")
     temperature, top_p = request.temperature, request.top_p
-    if temperature is not None and not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+    if temperature is not None and not (is_number(temperature) and temperature >= 0):
         raise ValueError(f"request {label}: temperature must be a finite number >= 0, got {temperature!r}")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+    if top_p is not None and not (is_number(top_p) and 0 < top_p <= 1):
         raise ValueError(f"request {label}: top_p must be a number in (0, 1], got {top_p!r}")
-    if not _is_int(request.min_tokens) or not 0 <= request.min_tokens <= max_new:
+    if not is_int(request.min_tokens) or not 0 <= request.min_tokens <= max_new:
         raise ValueError(f"request {label}: min_tokens must be an integer in [0, max_new_tokens {max_new}], "
                          f"got {request.min_tokens!r}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(request, name)
-        if value is not None and not (_is_int(value) and 0 <= value <= vocab_size):
+        if value is not None and not (is_int(value) and 0 <= value <= vocab_size):
             raise ValueError(f"request {label}: {name} must be an integer in [0, {vocab_size}], got {value!r}")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def is_number(value) -> bool:
+    """A finite int or float (bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -13,12 +13,11 @@ with that seed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from b12x_toolchain.runtime.serving.http.codec import encode_chat
 from b12x_toolchain.runtime.serving.http.errors import bad_request, no_tokenizer
-from b12x_toolchain.runtime.serving.requests import Request
+from b12x_toolchain.runtime.serving.requests import Request, is_int, is_number
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP = 16
@@ -67,14 +66,6 @@ class Limits:
     max_seq_len: int
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_default(value, defaults: tuple) -> bool:
     # bool is an int in Python: False must not pass for 0, nor True for 1.
     return any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults)
@@ -103,7 +94,7 @@ def _token_ids(prompt: list, limits: Limits) -> list[int]:
 
 def _prompts(prompt, codec, limits: Limits) -> list[list[int]]:
     """The ids of each prompt: one string or token-id list, or a non-empty list of either."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
         prompt = [prompt]
     if not (isinstance(prompt, list) and prompt):
         raise bad_request("prompt must be a non-empty string, a non-empty list of integer token ids, or a "
@@ -116,7 +107,7 @@ def _prompts(prompt, codec, limits: Limits) -> list[list[int]]:
             ids.append(codec.encode(one))
             if not ids[-1]:
                 raise bad_request("a prompt encodes to no tokens", "prompt")
-        elif isinstance(one, list) and one and all(_is_int(t) for t in one):
+        elif isinstance(one, list) and one and all(is_int(t) for t in one):
             ids.append(_token_ids(one, limits))
         else:
             raise bad_request("each prompt of a batch must be a non-empty string or a non-empty list of integer "
@@ -162,7 +153,7 @@ def _stop(value, codec, limits: Limits) -> tuple[list[int], list[str]]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or len(values) > MAX_STOP:
         raise bad_request(f"stop must be a string, or a list of at most {MAX_STOP} strings or token ids", "stop")
-    if all(_is_int(v) for v in values):
+    if all(is_int(v) for v in values):
         for token in values:
             if not 0 <= token < limits.vocab_size:
                 raise bad_request(f"stop token {token} is out of range; expected a token id in [0, "
@@ -185,7 +176,7 @@ def _max_tokens(body: dict, chat: bool, prompt_len: int, limits: Limits) -> int:
                           "messages" if chat else "prompt", "context_length_exceeded")
     if value is None:
         return room if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise bad_request(f"{param} must be an integer of at least 1, got {value!r}", param)
     if value > room:
         raise bad_request(f"{param} {value} plus the prompt's {prompt_len} tokens exceeds this model's max_seq_len "
@@ -203,7 +194,7 @@ def _optional(body: dict, name: str, valid, expected: str):
 def _logprobs(body: dict, chat: bool) -> int | None:
     """Top alternatives per token, or None: completions send logprobs=N (false/null: off), chat
     sends logprobs=true with top_logprobs=N."""
-    in_range = lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS  # noqa: E731
+    in_range = lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS  # noqa: E731
     if not chat:
         value = body.get("logprobs")
         if value is None or value is False:
@@ -243,14 +234,14 @@ def parse(body, chat: bool, codec, limits: Limits, request_id: str) -> Generatio
             raise bad_request("prompt is required", "prompt")
         prompts = _prompts(body["prompt"], codec, limits)
     max_tokens = _max_tokens(body, chat, max(len(p) for p in prompts), limits)
-    temperature = _optional(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2, "a number in [0, 2]")
-    top_p = _optional(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
-    seed = _optional(body, "seed", _is_int, "an integer")
-    n = _optional(body, "n", lambda v: _is_int(v) and v >= 1, "an integer of at least 1") or 1
+    temperature = _optional(body, "temperature", lambda v: is_number(v) and 0 <= v <= 2, "a number in [0, 2]")
+    top_p = _optional(body, "top_p", lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+    seed = _optional(body, "seed", is_int, "an integer")
+    n = _optional(body, "n", lambda v: is_int(v) and v >= 1, "an integer of at least 1") or 1
     if n * len(prompts) > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts times n={n} is {n * len(prompts)} choices; this server answers "
                           f"at most {MAX_CHOICES} in one request", "n")
-    min_tokens = _optional(body, "min_tokens", lambda v: _is_int(v) and 0 <= v <= max_tokens,
+    min_tokens = _optional(body, "min_tokens", lambda v: is_int(v) and 0 <= v <= max_tokens,
                            f"an integer in [0, max_tokens {max_tokens}]") or 0
     ignore_eos = _optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false")
     stream = _optional(body, "stream", lambda v: isinstance(v, bool), "true or false") or False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from b12x_toolchain.runtime.serving.http.errors import bad_request, no_tokenizer
 from b12x_toolchain.runtime.serving.http.protocol import Limits, chat_ids, check_fields
+from b12x_toolchain.runtime.serving.requests import is_int
 
 
 def tokenize(body, codec, limits: Limits) -> dict:
@@ -39,7 +40,7 @@ def detokenize(body, codec) -> dict:
     if codec is None:
         raise no_tokenizer("tokens")
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise bad_request("tokens must be a list of integer token ids", "tokens")
     try:
         return {"prompt": codec.decode(tokens)}
