@@ -44,7 +44,7 @@ class Choice:
         """This update's delta; a stop string found in it calls cancel() (the engine stops the
         request), and the delta then ends there."""
         head, head_logprobs = "", None
-        if self.echo and update.completion_tokens == len(update.tokens):  # the first update: the prompt first
+        if self.echo and update.first:  # the prompt before the first tokens
             head = self.codec.decode(self.prompt) if self.codec is not None else ""
             if self.wants_logprobs:
                 head_logprobs = self._completion_logprobs(self.prompt, [None] + list(update.prompt_logprobs or []))

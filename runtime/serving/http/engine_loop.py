@@ -43,6 +43,7 @@ class Update:
     index: int = 0  # the choice this update belongs to
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # on a request's first update, when it asked
+    first: bool = False  # the request's first update (echo puts the prompt before it)
 
 
 class Ticket:
@@ -201,7 +202,7 @@ class EngineLoop:
         now = time.perf_counter()
         for request_id, tracked in list(self._tracked.items()):
             state = tracked.state
-            new = state.tokens[tracked.sent :]
+            first, new = tracked.sent == 0, state.tokens[tracked.sent :]
             tracked.sent = len(state.tokens)
             if new:
                 self._time_tokens(tracked, len(new), now)
@@ -213,12 +214,12 @@ class EngineLoop:
             reason = tracked.outcome or state.finish_reason
             logprobs = state.token_logprobs[len(state.tokens) - len(new) :][: len(shown)] \
                 if state.logprobs is not None else None
-            prompt_logprobs = state.prompt_token_logprobs if state.prompt_logprobs is not None and \
-                len(state.tokens) == len(new) else None  # the request's first update
+            prompt_logprobs = state.prompt_token_logprobs if state.prompt_logprobs is not None and first else None
             error = APIError(500, f"the request failed: {state.error}", "server_error", code="request_failed") \
                 if state.error is not None else None
             tracked.ticket.put(Update(shown, reason if state.done else None, len(state.prompt), len(state.tokens),
-                                      state.cached_tokens, error, tracked.ticket.index, logprobs, prompt_logprobs))
+                                      state.cached_tokens, error, tracked.ticket.index, logprobs, prompt_logprobs,
+                                      first))
             if state.done:
                 del self._tracked[request_id]
                 self._count_finished(state, reason)

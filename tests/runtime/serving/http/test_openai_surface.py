@@ -129,6 +129,9 @@ def test_documented_defaults_ignore_eos_and_request_ids(server, codec):
     eos = codec.eos_id
     stop_at_eos = completion(server, prompt=PROMPTS[0], stop=[plain["choices"][0]["token_ids"][0]], max_tokens=8)
     assert stop_at_eos["usage"]["completion_tokens"] == 1 and eos is not None
+    # The answer's first token is a (hidden) stop token: echo still puts the prompt first.
+    echoed = completion(server, prompt=PROMPTS[0], stop=[plain["choices"][0]["token_ids"][0]], echo=True)
+    assert echoed["choices"][0]["text"] == PROMPTS[0]
     ignored = completion(server, prompt=PROMPTS[0], max_tokens=12, ignore_eos=True)
     assert ignored["usage"]["completion_tokens"] == 12
     response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
