@@ -57,10 +57,23 @@ def test_every_request_completes_with_the_asked_output_tokens(served, processor,
     print(f"one GuideLLM request body ({mode}):", chats[0].body.decode() if chats else None)
     (benchmark,) = json.loads(report.read_text())["benchmarks"]
     errors = [r["info"]["error"] for r in benchmark["requests"]["errored"]]
-    assert benchmark["metrics"]["request_totals"] == {"successful": count, "errored": 0, "incomplete": 0,
-                                                      "total": count}, f"{errors[:2]}\nthe server refused:\n{refused}"
-    outputs = benchmark["metrics"]["output_token_count"]["successful"]
-    assert (outputs["count"], outputs["min"], outputs["max"]) == (count, OUTPUT_TOKENS, OUTPUT_TOKENS)
+    # What the server saw: exactly the asked requests, each answered in full.
     assert len(chats) == count and not failed
+    assert [usage_of(e)["completion_tokens"] for e in chats] == [OUTPUT_TOKENS] * count
+    # GuideLLM 0.8.1's report sometimes leaves out the last request it sent when the machine is
+    # loaded (a clean CI run reported 2 of 3 and 7 of 8, each of which the server had answered in
+    # full, as checked above): the report must show no failure and at least all but that one.
+    totals = benchmark["metrics"]["request_totals"]
+    assert totals["errored"] == totals["incomplete"] == 0 and totals["successful"] == totals["total"], \
+        f"{errors[:2]}\nthe server refused:\n{refused}"
+    assert count - 1 <= totals["total"] <= count
+    outputs = benchmark["metrics"]["output_token_count"]["successful"]
+    assert (outputs["count"], outputs["min"], outputs["max"]) == (totals["total"], OUTPUT_TOKENS, OUTPUT_TOKENS)
     body = chats[0].json()
     assert (body["stream"], body["ignore_eos"], body["max_completion_tokens"]) == (True, True, OUTPUT_TOKENS)
+
+
+def usage_of(exchange) -> dict:
+    """The usage of a streamed answer: the last chunk that carries one."""
+    chunks = [json.loads(line[6:]) for line in exchange.response.decode().splitlines() if line.startswith("data: {")]
+    return [c["usage"] for c in chunks if c.get("usage")][-1]
