@@ -108,7 +108,7 @@ def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:
     from b12x_toolchain.exporter.pipeline.capture import capture
     from b12x_toolchain.exporter.pipeline.structural import fake_weights
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.passes.kit import count_nodes, run_passes
+    from b12x_toolchain.runtime.rewrite import count_nodes, run_passes
     from b12x_toolchain.passes.pipeline import build_pipeline
 
     d = Dims.from_recipe(recipe)

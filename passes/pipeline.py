@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT
-from b12x_toolchain.passes.kit import PassError
+from b12x_toolchain.runtime.rewrite import PassError
 
 REGISTRY = {FUSE_WINDOW_SNAPSHOT.name: FUSE_WINDOW_SNAPSHOT}  # passes keep no state: one instance serves all
 

@@ -119,9 +119,9 @@ def test_loading_a_package_pulls_in_no_exporter_code(fused_path):
         "import sys; from b12x_toolchain.runtime import load, Decoder;"
         f"Decoder(load({str(fused_path)!r}).session(slots=1)).generate([[1, 2]], 2);"
         # The rewrite kit may come with the runtime (it lowers graphs for Inductor); nothing else of passes.
-        "kit = ('b12x_toolchain.passes', 'b12x_toolchain.passes.kit');"
+        "kit = ('b12x_toolchain.passes', 'b12x_toolchain.runtime.rewrite');"
         "bad = sorted(m for m in sys.modules if m.startswith(('b12x_toolchain.exporter', 'b12x_toolchain.passes'))"
-        " and m not in kit and not m.startswith('b12x_toolchain.passes.kit.'));"
+        " and m not in kit and not m.startswith('b12x_toolchain.runtime.rewrite.'));"
         "print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -22,7 +22,7 @@ from b12x_toolchain.exporter.pipeline.pass_export import PassJob, PassOutput, pa
 from b12x_toolchain.exporter.pipeline.rank_files import TOKENIZER_FORMAT, RankFiles
 from b12x_toolchain.exporter.pipeline.structural import external_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.passes.kit import PassResult
+from b12x_toolchain.runtime.rewrite import PassResult
 from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN  # the byte reference's version; the tests install it
 from b12x_toolchain.runtime.ops.opset import OPSET_VERSION
 from b12x_toolchain.runtime.package.cache_formats import cache_formats_entry

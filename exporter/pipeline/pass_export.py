@@ -27,7 +27,7 @@ from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.pipeline.trace_cache import trace_key, traced
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.views.pass_dump import PassDump
-from b12x_toolchain.passes.kit import PassError, PassResult, run_passes
+from b12x_toolchain.runtime.rewrite import PassError, PassResult, run_passes
 from b12x_toolchain.passes.pipeline import build_pipeline
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.parallel.group import collective_counts

@@ -23,8 +23,8 @@ import torch
 import torch.fx
 
 from b12x_toolchain.exporter.pipeline.layer_copies import COPY, MARKERS
-from b12x_toolchain.passes.kit import PassResult, RewritePass, named_args, run_passes
-from b12x_toolchain.passes.kit.exported_names import output_names_follow_graph, rename_nodes
+from b12x_toolchain.runtime.rewrite import PassResult, RewritePass, named_args, run_passes
+from b12x_toolchain.runtime.rewrite.exported_names import output_names_follow_graph, rename_nodes
 
 BEGIN, END = MARKERS
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from b12x_toolchain.passes.kit import PassResult
+    from b12x_toolchain.runtime.rewrite import PassResult
 
 CACHE_ENV = "B12X_COMPILE_CACHE"  # root of the local compile cache (default ~/.cache/b12x/compiled)
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"  # where Inductor reads and writes its caches
@@ -105,7 +105,7 @@ def lower_for_inductor(graph: torch.fx.GraphModule) -> list[PassResult]:
     themselves. Returns each pass's result."""
     # Imported here: the pass kit imports networkx, which a session that compiles nothing
     # would otherwise import before its first token.
-    from b12x_toolchain.passes.kit import run_passes
+    from b12x_toolchain.runtime.rewrite import run_passes
     from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
     from b12x_toolchain.runtime.session.split_encoding_writes import SPLIT_ENCODING_WRITES
 

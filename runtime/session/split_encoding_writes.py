@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.passes.kit import NodeRewrite, Rule, replace_args
+from b12x_toolchain.runtime.rewrite import NodeRewrite, Rule, replace_args
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.opset import RAW_BYTES, ops
 

@@ -23,7 +23,7 @@ from b12x_toolchain.exporter.pipeline.stitch_layer_copies import StitchError, st
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import parse_recipe
-from b12x_toolchain.passes.kit import PassError, PassResult, count_nodes
+from b12x_toolchain.runtime.rewrite import PassError, PassResult, count_nodes
 
 pytestmark = pytest.mark.slow(minutes=0.6)
 

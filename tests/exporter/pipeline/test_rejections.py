@@ -38,7 +38,7 @@ def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe):
     from b12x_toolchain.exporter.model.weights import init_weights
     from b12x_toolchain.exporter.pipeline.capture import capture
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.passes.kit import PassError, run_passes
+    from b12x_toolchain.runtime.rewrite import PassError, run_passes
     from b12x_toolchain.passes.pipeline import build_pipeline
 
     recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})

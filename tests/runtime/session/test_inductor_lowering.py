@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from b12x_toolchain.passes.kit import PassResult, named_args
+from b12x_toolchain.runtime.rewrite import PassResult, named_args
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.ops.opset import RAW_BYTES, gather_rows, ops, round_trip, window_read
 from b12x_toolchain.runtime.session.compiled import lower_for_inductor

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from b12x_toolchain.passes.kit.invariants import check_invariants, signature
-from b12x_toolchain.passes.kit.rewrite_pass import PassResult
+from b12x_toolchain.runtime.rewrite.invariants import check_invariants, signature
+from b12x_toolchain.runtime.rewrite.rewrite_pass import PassResult
 
 
 class PassError(RuntimeError):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
-from b12x_toolchain.passes.kit.dependency import dependency_graph, order, tensor_args
+from b12x_toolchain.runtime.rewrite.dependency import dependency_graph, order, tensor_args
 
-from .layer_graphs import (
+from passes.layer_graphs import (
     DIM,
     FMT,
     HISTORY,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from b12x_toolchain.passes.kit.dependency import tensor_args
+from b12x_toolchain.runtime.rewrite.dependency import tensor_args
 from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS, OPSET_VERSION
 
 KNOWN_OPS = set(OPS.values())

@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch.fx
 
-from b12x_toolchain.passes.kit.dependency import dependency_graph, order
-from b12x_toolchain.passes.kit.rewrite_pass import RewritePass
-from b12x_toolchain.passes.kit.schema_args import named_args
+from b12x_toolchain.runtime.rewrite.dependency import dependency_graph, order
+from b12x_toolchain.runtime.rewrite.rewrite_pass import RewritePass
+from b12x_toolchain.runtime.rewrite.schema_args import named_args
 
 
 @dataclass(frozen=True)

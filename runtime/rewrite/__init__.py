@@ -5,11 +5,11 @@ broke one. The runtime may import this sub-package (and nothing else of `passes`
 imports nothing of `passes` outside it.
 """
 
-from b12x_toolchain.passes.kit.manager import PassError, run_passes
-from b12x_toolchain.passes.kit.node_rewrite import NodeRewrite, Rule
-from b12x_toolchain.passes.kit.pair_rewrite import PairRewrite
-from b12x_toolchain.passes.kit.rewrite_pass import PassResult, RewritePass, count_nodes
-from b12x_toolchain.passes.kit.schema_args import named_args, replace_args
+from b12x_toolchain.runtime.rewrite.manager import PassError, run_passes
+from b12x_toolchain.runtime.rewrite.node_rewrite import NodeRewrite, Rule
+from b12x_toolchain.runtime.rewrite.pair_rewrite import PairRewrite
+from b12x_toolchain.runtime.rewrite.rewrite_pass import PassResult, RewritePass, count_nodes
+from b12x_toolchain.runtime.rewrite.schema_args import named_args, replace_args
 
 __all__ = ["NodeRewrite", "PairRewrite", "PassError", "PassResult", "RewritePass", "Rule", "count_nodes",
            "named_args", "replace_args", "run_passes"]

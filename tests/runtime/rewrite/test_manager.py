@@ -7,11 +7,11 @@ import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT
-from b12x_toolchain.passes.kit import PassError, PassResult, RewritePass, run_passes
-from b12x_toolchain.passes.kit.invariants import check_invariants, signature
+from b12x_toolchain.runtime.rewrite import PassError, PassResult, RewritePass, run_passes
+from b12x_toolchain.runtime.rewrite.invariants import check_invariants, signature
 from b12x_toolchain.passes.pipeline import build_pipeline
 
-from .layer_graphs import (
+from passes.layer_graphs import (
     DIM,
     FMT,
     HISTORY,

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch.fx
 
-from b12x_toolchain.passes.kit.rewrite_pass import RewritePass
-from b12x_toolchain.passes.kit.schema_args import named_args
+from b12x_toolchain.runtime.rewrite.rewrite_pass import RewritePass
+from b12x_toolchain.runtime.rewrite.schema_args import named_args
 
 
 def always(args: dict) -> bool:
