@@ -1,7 +1,7 @@
-"""The dependency rule: runtime imports nothing of passes but the rewrite kit (passes.kit),
-and nothing of exporter; passes not exporter; the kit nothing of passes outside itself; no
-import cycle between modules. Checked over every module of every sub-package, with
-imports inside functions counted too (a late import does not make a cycle go away)."""
+"""The dependency rule: the folders stand in layers, runtime at the bottom, then passes, then
+exporter, and no module imports from a layer above its own; no import cycle between modules.
+Checked over every module of every sub-package, with imports inside functions counted too (a
+late import does not make a cycle go away). The rule has no exceptions."""
 
 from __future__ import annotations
 
@@ -18,20 +18,19 @@ from paths import ROOT
 ROOT_PACKAGE = "b12x_toolchain"
 FOLDERS = {"exporter": f"{ROOT_PACKAGE}.exporter", "passes": f"{ROOT_PACKAGE}.passes",
            "runtime": f"{ROOT_PACKAGE}.runtime", "b12x-toolchain": ROOT_PACKAGE}
-# layer -> (forbidden, allowed inside those): the runtime replays (and compiles) graphs with the
-# rewrite kit, so it may import the kit; the kit must stay free of the exporter's rewrites.
-RULES = {
-    "runtime": (("exporter", "passes"), ("passes.kit",)),
-    "passes": (("exporter",), ()),
-    "passes.kit": (("exporter", "passes"), ("passes.kit",)),
-}
+# Lowest first: a module may import its own layer and the layers before it, never one after.
+LAYERS = ("runtime", "passes", "exporter")
 
 
 def layer_of(name: str) -> str:
-    """The most specific layer in RULES a module belongs to ("" for the root package)."""
-    parts = name.split(".")[1:]
-    candidates = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
-    return next((c for c in candidates if c in RULES), "")
+    """The layer a module belongs to ("" for the root package, which imports nothing)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else ""
+
+
+def above(layer: str) -> tuple:
+    """The layers a module of `layer` must not import."""
+    return LAYERS[LAYERS.index(layer) + 1:] if layer else LAYERS
 
 
 def under(target: str, layers: tuple) -> bool:
@@ -78,27 +77,23 @@ def test_every_sub_package_is_scanned_and_packaged():
     assert len(packages) > 10  # the sub-packages are really walked, not only the folder roots
 
 
-def test_no_forbidden_imports_in_any_module():
+def test_no_import_reaches_a_higher_layer():
     offenders = []
     for name, path in modules().items():
-        forbidden, allowed = RULES.get(layer_of(name), ((), ()))
         offenders += [f"{path.relative_to(ROOT)}: {target}" for target in imported_names(path)
-                      if under(target, forbidden) and not under(target, allowed)]
+                      if under(target, above(layer_of(name)))]
     assert offenders == []
 
 
-def test_the_rules_allow_only_the_kit():
-    # The exceptions are exact: the runtime may reach the kit, not the fusion beside it.
-    runtime, kit = f"{ROOT_PACKAGE}.runtime.session.compiled", f"{ROOT_PACKAGE}.passes.kit.manager"
-    assert layer_of(runtime) == "runtime" and layer_of(kit) == "passes.kit"
+def test_the_layers_are_ordered_and_exact():
+    # The rewrite kit is runtime: the runtime lowers graphs with it and the exporter's rewrites
+    # build on it, so it sits below both.
+    assert layer_of(f"{ROOT_PACKAGE}.runtime.rewrite.manager") == "runtime"
     assert layer_of(f"{ROOT_PACKAGE}.passes.fuse_window_snapshot") == "passes"
-    forbidden, allowed = RULES["runtime"]
-    assert under(f"{ROOT_PACKAGE}.passes.kit.pair_rewrite", forbidden) and under(f"{ROOT_PACKAGE}.passes.kit", allowed)
-    assert under(f"{ROOT_PACKAGE}.passes.fuse_window_snapshot", forbidden)
-    assert not under(f"{ROOT_PACKAGE}.passes.fuse_window_snapshot", allowed)
-    assert not under(f"{ROOT_PACKAGE}.passes.kitchen", allowed)  # a prefix of a name is not the kit
-    forbidden, allowed = RULES["passes.kit"]
-    assert under(f"{ROOT_PACKAGE}.passes.pipeline", forbidden) and not under(f"{ROOT_PACKAGE}.passes.pipeline", allowed)
+    assert above("runtime") == ("passes", "exporter") and above("passes") == ("exporter",) and above("exporter") == ()
+    assert under(f"{ROOT_PACKAGE}.passes.pipeline", above("runtime"))
+    assert not under(f"{ROOT_PACKAGE}.passesx", above("runtime"))  # a prefix of a name is not the layer
+    assert not under(f"{ROOT_PACKAGE}.runtime.rewrite", above("passes"))
 
 
 def test_no_import_cycle_between_modules():
@@ -118,10 +113,7 @@ def test_loading_a_package_pulls_in_no_exporter_code(fused_path):
     code = (
         "import sys; from b12x_toolchain.runtime import load, Decoder;"
         f"Decoder(load({str(fused_path)!r}).session(slots=1)).generate([[1, 2]], 2);"
-        # The rewrite kit may come with the runtime (it lowers graphs for Inductor); nothing else of passes.
-        "kit = ('b12x_toolchain.passes', 'b12x_toolchain.runtime.rewrite');"
-        "bad = sorted(m for m in sys.modules if m.startswith(('b12x_toolchain.exporter', 'b12x_toolchain.passes'))"
-        " and m not in kit and not m.startswith('b12x_toolchain.runtime.rewrite.'));"
+        "bad = sorted(m for m in sys.modules if m.startswith(('b12x_toolchain.exporter', 'b12x_toolchain.passes')));"
         "print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
