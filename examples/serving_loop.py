@@ -27,7 +27,7 @@ def main(path: str) -> None:
     engine.submit(requests)
     while engine.busy:  # or engine.run(on_step) / engine.generate(requests)
         step = engine.step()
-        print(f"step {step['step']}: {step['rows']} rows, admitted {step['admitted']}, retired {step['retired']}")
+        print(f"step {step.step}: {step.rows} rows, admitted {step.admitted}, retired {step.retired}")
     for state in sorted(engine.finished, key=lambda s: int(s.id[1:])):
         print(f"{state.id}: prompt of {len(state.prompt)} tokens, slot {state.slot}, {state.finish_reason}, "
               f"{state.latency_s * 1e3:.0f} ms -> {state.tokens}")

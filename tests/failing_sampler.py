@@ -3,18 +3,18 @@ drawn from (the error torch raises for inf, nan or negative probabilities) is ma
 
 from __future__ import annotations
 
-import b12x_toolchain.runtime.serving.engine as engine_module
+import b12x_toolchain.runtime.serving.executor as executor_module
 
 FAILING_TEMPERATURE = 0.5
 
 
 def fail_sampling_at(monkeypatch, temperature: float = FAILING_TEMPERATURE) -> None:
     """Requests sampling at `temperature` fail choosing their tokens; every other one is untouched."""
-    real = engine_module.probabilities
+    real = executor_module.probabilities
 
     def failing(logits, t, top_p=1.0):
         if t == temperature:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, t, top_p)
 
-    monkeypatch.setattr(engine_module, "probabilities", failing)
+    monkeypatch.setattr(executor_module, "probabilities", failing)

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from b12x_toolchain.runtime.serving.http.server import Server
 from b12x_toolchain.runtime.serving.http.service import ServeOptions, Service
+from b12x_toolchain.runtime.serving.options import EngineOptions
+
+ENGINE_FIELDS = {f.name for f in fields(EngineOptions)}
+
+
+def serve_options(package, **options) -> ServeOptions:
+    """ServeOptions from flat keywords: the engine's (EngineOptions fields) and the server's."""
+    engine = {k: options.pop(k) for k in list(options) if k in ENGINE_FIELDS}
+    return ServeOptions(str(package), EngineOptions(**engine), **options)
 
 
 def start_server(package, grace_seconds: float = 5.0, **options) -> Server:
     """A server of `package` on a free port of 127.0.0.1, serving from a thread."""
-    return Server(Service(ServeOptions(str(package), **options)), "127.0.0.1", 0, grace_seconds).start()
+    return Server(Service(serve_options(package, **options)), "127.0.0.1", 0, grace_seconds).start()
 
 
 def client(server: Server, api_key: str = "unused") -> openai.OpenAI:

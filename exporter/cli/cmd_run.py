@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -13,6 +14,7 @@ from rich.table import Table
 
 from b12x_toolchain.exporter.cli import ranks
 from b12x_toolchain.exporter.cli.common import fail
+from b12x_toolchain.exporter.cli.engine_flags import engine_flags, engine_options
 from b12x_toolchain.exporter.cli.run_requests import (
     Defaults,
     PromptError,
@@ -66,12 +68,12 @@ def _requests_table(states) -> Table:
     return table
 
 
-def _steps_table(steps: list[dict]) -> Table:
+def _steps_table(steps: list) -> Table:
     table = Table(title="steps")
     for name in STEP_COLUMNS:
         table.add_column(name, justify="right")
     for step in steps:
-        table.add_row(*(str(step[name]) for name in STEP_COLUMNS))
+        table.add_row(*(str(getattr(step, name)) for name in STEP_COLUMNS))
     return table
 
 
@@ -88,28 +90,9 @@ def _steps_table(steps: list[dict]) -> Table:
 @click.option("--stop", "stop_ids", multiple=True,
               help="Stop token ids (comma separated, repeatable) for requests that set none of their own "
                    "[default: the tokenizer's end of text, when the package has a tokenizer].")
-@click.option("--greedy", is_flag=True, help="Plain greedy decoding, one token per step, instead of speculative decoding.")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
-              help="0 decodes greedily; above 0 samples (speculative sampling keeps the target's distribution).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed; requests may set their own.")
-@click.option("--slots", type=click.IntRange(min=1), help="Request slots [default: one per prompt, up to the largest rows bucket].")
-@click.option("--pages", type=click.IntRange(min=1),
-              help="Pages of each paged-cache pool [default: enough for every slot to reach max_seq_len]; "
-                   "requests wait for pages, and one that could never fit is refused.")
-@click.option("--cache-bytes", type=click.IntRange(min=1),
-              help="Byte budget of the paged caches, split so every pool holds the same tokens (instead of --pages).")
+@engine_flags
 @click.option("--show-steps", is_flag=True, help="Also print every step's statistics.")
 @click.option("--show-ids", is_flag=True, help="Also print the generated token ids when the package has a tokenizer.")
-@click.option("--threads", type=click.IntRange(min=1),
-              help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine.")
-@click.option("--device", default="cpu", show_default=True,
-              help="torch device of the session: cpu, cuda (the current CUDA device) or cuda:N; one torch "
-                   "cannot use is refused before anything runs.")
-@click.option("--prefix-cache-dir", type=click.Path(file_okay=False),
-              help="Keep prompt snapshots here (L2, survives restarts) and in memory (L1); a later run "
-                   "with the same prompt prefix skips prefilling it.")
-@click.option("--prefix-cache-bytes", type=click.IntRange(min=0),
-              help="Byte budget of each prefix-cache tier (default 1 GiB); alone, enables the in-memory tier.")
 @click.option("--nproc", type=click.IntRange(min=1),
               help="Processes (ranks) on this machine for a parallel package, launched through torchrun; "
                    "with --nnodes, the world size the package was exported for.")
@@ -120,26 +103,16 @@ def _steps_table(steps: list[dict]) -> Table:
 @click.option("--rdzv-id", help="Rendezvous id shared by every node of the job (torchrun).")
 @click.option("--master-addr", help="Address of rank 0's node (torchrun, static rendezvous).")
 @click.option("--master-port", type=click.IntRange(min=1, max=65535), help="Port on rank 0's node (torchrun).")
-@click.option("--compile", "compiled", is_flag=True,
-              help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
-                   "(half a minute to minutes per pass graph; cached locally, keyed by package, device and torch).")
-def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, greedy, temperature, seed, slots, pages,
-        cache_bytes, show_steps, show_ids, threads, device, prefix_cache_dir, prefix_cache_bytes, nproc, nnodes,
-        node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port, compiled):
+def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, show_steps, show_ids, nproc, nnodes,
+        node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port, **flags):
     """Serve prompts from a package on CPU (or --device): many requests over reused slots, with a final report.
     A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
-    from b12x_toolchain.runtime import PackageError, load
-    from b12x_toolchain.runtime.prefix.cache import PrefixCache
-    from b12x_toolchain.runtime.serving.engine import Engine, passes_used
-    from b12x_toolchain.runtime.serving.requests import check_request
+    from b12x_toolchain.runtime import PackageError
     from b12x_toolchain.runtime.session.validate import InputError
 
     if not prompts and not prompt_ids and not prompt_files:
         raise click.UsageError("give at least one prompt: --prompt, --prompt-ids or --prompts")
-    if greedy and temperature > 0:
-        raise click.UsageError("--greedy decodes greedily; it cannot be combined with --temperature above 0")
-    if pages is not None and cache_bytes is not None:
-        raise click.UsageError("--pages and --cache-bytes both size the paged caches; give one of them")
+    options = engine_options(flags)
     try:
         stop = tuple(t for text in stop_ids for t in parse_ids(text))
         items = _requests(prompts, prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
@@ -151,55 +124,75 @@ def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, gr
         ranks.launch(nproc, dict(nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend,
                                  rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, master_addr=master_addr,
                                  master_port=master_port))
-    if threads is not None:
-        import torch
+    try:
+        outcome = _serve(package, items, options, rank)
+    except (PackageError, InputError, ValueError, OSError) as exc:
+        fail(str(exc))
+    if rank in (None, 0):  # every rank decoded the same tokens; rank 0 reports them
+        _report(outcome, options, show_steps, show_ids)
 
-        torch.set_num_threads(threads)
+
+@dataclass
+class _Outcome:
+    engine: object
+    states: list
+    steps: list
+    codec: object
+    wall: float
+    cache_stats: dict | None
+
+
+def _serve(package, items, options, rank) -> _Outcome:
+    """Load the package (this rank's, in its group), build the engine from `options` and decode
+    every request, with a progress bar on rank 0."""
+    from b12x_toolchain.runtime import load
+    from b12x_toolchain.runtime.serving.options import open_engine, open_prefix_cache
+    from b12x_toolchain.runtime.serving.requests import check_request
+
     cache = None
     try:
-        if rank is None:
-            loaded = load(package)
-        else:
-            loaded = load(package, rank=ranks.join_group(), peer_timeout=ranks.PEER_TIMEOUT)
+        loaded = load(package) if rank is None else load(package, rank=ranks.join_group(),
+                                                         peer_timeout=ranks.PEER_TIMEOUT)
         codec = loaded.tokenizer
         items = encode_texts(items, codec, package)
         model = loaded.manifest.model
         for request, origin in items:  # before any replay, naming the line to fix
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
                           model.vocab_size, model.max_seq_len)
-        buckets = loaded.passes["verify"].rows_buckets
-        session = loaded.session(device=device, slots=slots or min(len(items), buckets[-1]), pages=pages,
-                                 cache_bytes=cache_bytes, compile=compiled,
-                                 passes=passes_used(loaded.passes, speculative=not greedy))
-        if prefix_cache_dir is not None or prefix_cache_bytes is not None:
-            budget = (1 << 30) if prefix_cache_bytes is None else prefix_cache_bytes
-            cache = PrefixCache(loaded, l1_bytes=budget, l2_dir=prefix_cache_dir, l2_bytes=budget)
-        engine = Engine(session, speculative=not greedy, temperature=temperature, seed=seed, prefix_cache=cache)
+        cache = open_prefix_cache(loaded, options)
+        engine = open_engine(loaded, options, cache)
         states = engine.submit([request for request, _ in items])
-        steps = []
         started = time.perf_counter()
-        # Counts tokens against every request's max_new_tokens; a stop token ends a request early.
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                      TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                      disable=rank not in (None, 0)) as progress:
-            task = progress.add_task(f"0/{len(states)} requests", total=sum(s.max_new_tokens for s in states))
-
-            def on_step(step: dict) -> None:
-                steps.append(step)
-                done = sum(s.max_new_tokens if s.done else len(s.tokens) for s in states)
-                progress.update(task, completed=done, description=f"{len(engine.finished)}/{len(states)} requests")
-
-            engine.run(on_step)
+        steps = _decode_with_progress(engine, states, show=rank in (None, 0))
         wall = time.perf_counter() - started
-    except (PackageError, InputError, ValueError, OSError) as exc:
-        fail(str(exc))
+        cache_stats = cache.stats_dict() if cache is not None else None
     finally:
         if cache is not None:
             cache.close()  # waits for queued snapshots to reach the directory
         ranks.leave_group()
-    if rank not in (None, 0):
-        return  # every rank decoded the same tokens; rank 0 reports them
-    for state in states:
+    return _Outcome(engine, states, steps, codec, wall, cache_stats)
+
+
+def _decode_with_progress(engine, states, show: bool) -> list:
+    """Run the engine to completion; a bar counts tokens against every request's max_new_tokens
+    (a stop token ends a request early). Returns every step's StepStats."""
+    steps = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not show) as progress:
+        task = progress.add_task(f"0/{len(states)} requests", total=sum(s.max_new_tokens for s in states))
+
+        def on_step(step) -> None:
+            steps.append(step)
+            done = sum(s.max_new_tokens if s.done else len(s.tokens) for s in states)
+            progress.update(task, completed=done, description=f"{len(engine.finished)}/{len(states)} requests")
+
+        engine.run(on_step)
+    return steps
+
+
+def _report(outcome: _Outcome, options, show_steps: bool, show_ids: bool) -> None:
+    codec, engine, wall = outcome.codec, outcome.engine, outcome.wall
+    for state in outcome.states:
         if codec is None or show_ids:
             click.echo(f"request {state.id} tokens: " + " ".join(map(str, state.tokens)))
         if codec is not None:  # the stop token ended the request; it is not part of the text
@@ -208,13 +201,14 @@ def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, gr
     # Piped output would otherwise be cut at 80 columns, squeezing the tables' headers.
     console = Console(width=None if sys.stdout.isatty() else 160)
     if show_steps:
-        console.print(_steps_table(steps))
-    mode = "plain greedy decoding" if greedy else "speculative " + ("sampling" if temperature > 0 else "decoding")
-    report = engine.stats.as_dict() | {"requests": len(states), "wall_seconds": wall,
+        console.print(_steps_table(outcome.steps))
+    mode = "plain greedy decoding" if not options.speculative else \
+        "speculative " + ("sampling" if options.temperature > 0 else "decoding")
+    report = engine.stats.as_dict() | {"requests": len(outcome.states), "wall_seconds": wall,
                                        "wall_tokens_per_second": engine.stats.generated / wall if wall else 0.0}
-    if cache is not None:
-        report |= {f"prefix {k}": v for k, v in cache.stats_dict().items()
+    if outcome.cache_stats is not None:
+        report |= {f"prefix {k}": v for k, v in outcome.cache_stats.items()
                    if k in ("exact_hits", "prefix_hits", "misses", "prefill_tokens_saved")}
     console.print(_stats_table(report, mode))
-    console.print(_pages_table(session.pages.stats()))
-    console.print(_requests_table(states))
+    console.print(_pages_table(engine.session.pages.stats()))
+    console.print(_requests_table(outcome.states))

@@ -96,6 +96,12 @@ class PrefixCache:
             self._thread = threading.Thread(target=self._write_loop, name="b12x-prefix-l2-writer", daemon=True)
             self._thread.start()
 
+    def configuration(self) -> dict:
+        """The tiers as plain data: whether snapshots are taken at all, and each tier's budget."""
+        return {"enabled": self.enabled, "l1_bytes": self.l1.max_bytes if self.l1 is not None else 0,
+                "l2_dir": str(self.l2.dir) if self.l2 is not None else None,
+                "l2_bytes": self.l2.max_bytes if self.l2 is not None else 0}
+
     # -- policy ---------------------------------------------------------------------------
 
     def _usable(self, length: int) -> bool:

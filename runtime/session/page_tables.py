@@ -217,6 +217,10 @@ class PageTables:
         """Pages no slot or snapshot holds (their bytes are garbage a replay must never read)."""
         return {name: [p for p in range(pool.count) if not pool.refs[p]] for name, pool in self.pools.items()}
 
+    def pool_stats(self) -> dict:
+        """Each pool's PoolStats, by pool name."""
+        return {name: pool.stats() for name, pool in self.pools.items()}
+
     def stats(self) -> dict:
-        out = {name: pool.stats().as_dict() for name, pool in self.pools.items()}
+        out = {name: stats.as_dict() for name, stats in self.pool_stats().items()}
         return {"pools": out, "hydrate_copies": self.hydrate_copies, "snapshot_copies": self.snapshot_copies}

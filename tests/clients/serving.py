@@ -18,8 +18,9 @@ import torch
 
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.http.server import Server
-from b12x_toolchain.runtime.serving.http.service import ServeOptions, Service
+from b12x_toolchain.runtime.serving.http.service import Service
 from b12x_toolchain.runtime.serving.requests import Request
+from http_serving import serve_options
 from near_ties import NEAR_TIE
 
 ENGINE_PASSES = ("prefill", "verify", "commit", "draft")  # what the server's speculative engine replays
@@ -81,7 +82,7 @@ class Recorder:
 
 def start_recorded_server(package, **options) -> tuple[Server, Recorder]:
     """A server of `package` on a free port of 127.0.0.1 (as http_serving.start_server), recorded."""
-    server = Server(Service(ServeOptions(str(package), **options)), "127.0.0.1", 0, grace_seconds=5.0)
+    server = Server(Service(serve_options(package, **options)), "127.0.0.1", 0, grace_seconds=5.0)
     recorder = Recorder(server.uvicorn.config.app)
     server.uvicorn.config.app = recorder  # uvicorn loads the app when it starts serving
     return server.start(), recorder

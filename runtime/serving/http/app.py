@@ -43,156 +43,182 @@ def error_response(error: APIError) -> JSONResponse:
 
 def create_app(service) -> FastAPI:
     app = FastAPI(title="b12x", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    metrics = service.metrics
-
-    def refuse(error: APIError) -> JSONResponse:
-        metrics.refused.labels(str(error.status)).inc()
-        return error_response(error)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
-        return refuse(error)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return refuse(APIError(exc.status_code, str(exc.detail), kind))
-
-    def guarded(route):
-        """No exception leaves the route: Starlette answers one that does with a 500 and then
-        closes the connection, dropping whatever the client sent behind it."""
-        @functools.wraps(route)
-        async def run(request: Request):
-            try:
-                return await route(request)
-            except APIError as error:
-                return refuse(error)
-            except Exception as exc:  # no traceback leaves the server: the client gets type and message
-                return refuse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-        return run
-
-    def authorize(request: Request) -> None:
-        key = service.options.api_key
-        if key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
-                           code="invalid_api_key")
-
-    async def body_of(request: Request):
-        authorize(request)
-        return await read_json(request, service.options.max_body_bytes, service.options.body_timeout_s)
-
-    @app.get("/health")
-    @guarded
-    async def health(request: Request):
-        if not service.loop.admitting or service.loop.failure is not None:
-            return JSONResponse({"status": "draining" if service.loop.failure is None else "failed"}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    @guarded
-    async def prometheus(request: Request):
-        authorize(request)
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
-
-    @app.get("/v1/models")
-    @guarded
-    async def models(request: Request):
-        authorize(request)
-        card = {"id": service.model_name, "object": "model", "created": int(service.started), "owned_by": "b12x",
-                "max_model_len": service.limits.max_seq_len}
-        return {"object": "list", "data": [card]}
-
-    @app.post("/tokenize", openapi_extra=schemas.TOKENIZE)
-    @guarded
-    async def tokenize_route(request: Request):
-        return tokenize(await body_of(request), service.codec, service.limits)
-
-    @app.post("/detokenize", openapi_extra=schemas.DETOKENIZE)
-    @guarded
-    async def detokenize_route(request: Request):
-        return detokenize(await body_of(request), service.codec)
-
-    @app.get("/tokenizer_info")
-    @guarded
-    async def tokenizer_info_route(request: Request):
-        authorize(request)
-        return tokenizer_info(service.codec, service.limits)
-
-    @app.post("/v1/completions", openapi_extra=schemas.COMPLETION)
-    @guarded
-    async def completions(request: Request):
-        return await generate(request, chat=False)
-
-    @app.post("/v1/chat/completions", openapi_extra=schemas.CHAT)
-    @guarded
-    async def chat_completions(request: Request):
-        return await generate(request, chat=True)
-
-    async def generate(request: Request, chat: bool):
-        arrived = time.perf_counter()
-        body = await body_of(request)
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        client_id = request.headers.get("x-request-id")
-        headers = {"X-Request-Id": client_id if client_id and REQUEST_ID.fullmatch(client_id) else request_id}
-        generation = parse(body, chat, service.codec, service.limits, request_id)
-        model = body.get("model")
-        if model is not None and model != service.model_name:
-            raise APIError(404, f"model {model!r} is not served here; this server serves {service.model_name!r}",
-                           "not_found_error", "model", "model_not_found")
-        updates = asyncio.Queue()
-        tickets = [Ticket(r.id, arrived, i, updates) for i, r in enumerate(generation.requests)]
-        service.loop.submit(generation.requests, tickets)
-        run = Run(service.loop, tickets, Answer(generation, service.codec))
-        shaper = Shaper(request_id, service.model_name, chat)
-        if generation.stream:
-            # The status line waits for the first tokens, so a request the engine refuses gets its code.
-            first = await run.watched(request)
-            if first is None:
-                return Response(status_code=499)  # nobody reads it: the client is gone
-            return StreamingResponse(stream(generation, run, shaper, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"} | headers)
-        return JSONResponse(await collect(request, run, shaper), headers=headers)
-
-    async def collect(request: Request, run: "Run", shaper: Shaper):
-        deltas: list[list[Delta]] = [[] for _ in run.tickets]
-        try:
-            while not run.answer.finished:
-                delta = await run.watched(request)
-                if delta is None:
-                    return Response(status_code=499)  # nobody reads it: the client is gone
-                deltas[delta.index].append(delta)
-        finally:
-            run.cancel_unfinished()
-        return shaper.response([join(d, i) for i, d in enumerate(deltas)], run.answer.usage())
-
-    async def stream(generation: Generation, run: "Run", shaper: Shaper, first: Delta):
-        opened, delta = set(), first
-        try:
-            while True:
-                if delta.text or delta.token_ids or delta.logprobs or delta.finish_reason or delta.index not in opened:
-                    use = run.answer.usage() if generation.continuous_usage else None
-                    yield sse(shaper.chunk(delta, role=delta.index not in opened, use=use))
-                    opened.add(delta.index)
-                if run.answer.finished:
-                    if generation.include_usage:
-                        yield sse(shaper.usage_chunk(run.answer.usage()))
-                    break
-                try:
-                    delta = await run.next()
-                except APIError as error:  # the engine failed mid-stream, long after the status line
-                    metrics.refused.labels(str(error.status)).inc()
-                    yield sse(error.body())
-                    break
-            yield sse("[DONE]")
-        finally:
-            run.cancel_unfinished()  # a client gone mid-stream, or a choice failed: slots and pages go back now
-
+    app.state.service = service
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for method, path, route, schema in ROUTES:
+        app.add_api_route(path, guarded(route), methods=[method], openapi_extra=schema)
     return app
+
+
+def service_of(request: Request):
+    return request.app.state.service
+
+
+def refuse(request: Request, error: APIError) -> JSONResponse:
+    service_of(request).metrics.refused.labels(str(error.status)).inc()
+    return error_response(error)
+
+
+async def api_error(request: Request, error: APIError):
+    return refuse(request, error)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return refuse(request, APIError(exc.status_code, str(exc.detail), kind))
+
+
+def guarded(route):
+    """No exception leaves the route: Starlette answers one that does with a 500 and then
+    closes the connection, dropping whatever the client sent behind it."""
+    @functools.wraps(route)
+    async def run(request: Request):
+        try:
+            return await route(request)
+        except APIError as error:
+            return refuse(request, error)
+        except Exception as exc:  # no traceback leaves the server: the client gets type and message
+            return refuse(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+    return run
+
+
+def authorize(request: Request) -> None:
+    key = service_of(request).options.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
+                       code="invalid_api_key")
+
+
+async def body_of(request: Request):
+    authorize(request)
+    options = service_of(request).options
+    return await read_json(request, options.max_body_bytes, options.body_timeout_s)
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+async def health(request: Request):
+    loop = service_of(request).loop
+    if not loop.admitting or loop.failure is not None:
+        return JSONResponse({"status": "draining" if loop.failure is None else "failed"}, status_code=503)
+    return {"status": "ok"}
+
+
+async def prometheus(request: Request):
+    authorize(request)
+    body, content_type = service_of(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def models(request: Request):
+    authorize(request)
+    service = service_of(request)
+    card = {"id": service.model_name, "object": "model", "created": int(service.started), "owned_by": "b12x",
+            "max_model_len": service.limits.max_seq_len}
+    return {"object": "list", "data": [card]}
+
+
+async def tokenize_route(request: Request):
+    service = service_of(request)
+    return tokenize(await body_of(request), service.codec, service.limits)
+
+
+async def detokenize_route(request: Request):
+    return detokenize(await body_of(request), service_of(request).codec)
+
+
+async def tokenizer_info_route(request: Request):
+    authorize(request)
+    service = service_of(request)
+    return tokenizer_info(service.codec, service.limits)
+
+
+async def completions(request: Request):
+    return await generate(request, chat=False)
+
+
+async def chat_completions(request: Request):
+    return await generate(request, chat=True)
+
+
+async def generate(request: Request, chat: bool):
+    arrived = time.perf_counter()
+    service = service_of(request)
+    body = await body_of(request)
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    client_id = request.headers.get("x-request-id")
+    headers = {"X-Request-Id": client_id if client_id and REQUEST_ID.fullmatch(client_id) else request_id}
+    generation = parse(body, chat, service.codec, service.limits, request_id)
+    model = body.get("model")
+    if model is not None and model != service.model_name:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {service.model_name!r}",
+                       "not_found_error", "model", "model_not_found")
+    updates = asyncio.Queue()
+    tickets = [Ticket(r.id, arrived, i, updates) for i, r in enumerate(generation.requests)]
+    service.loop.submit(generation.requests, tickets)
+    run = Run(service.loop, tickets, Answer(generation, service.codec))
+    shaper = Shaper(request_id, service.model_name, chat)
+    if generation.stream:
+        # The status line waits for the first tokens, so a request the engine refuses gets its code.
+        first = await run.watched(request)
+        if first is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        return StreamingResponse(stream(generation, run, shaper, first, service.metrics),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"} | headers)
+    return JSONResponse(await collect(request, run, shaper), headers=headers)
+
+
+async def collect(request: Request, run: "Run", shaper: Shaper):
+    deltas: list[list[Delta]] = [[] for _ in run.tickets]
+    try:
+        while not run.answer.finished:
+            delta = await run.watched(request)
+            if delta is None:
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            deltas[delta.index].append(delta)
+    finally:
+        run.cancel_unfinished()
+    return shaper.response([join(d, i) for i, d in enumerate(deltas)], run.answer.usage())
+
+
+async def stream(generation: Generation, run: "Run", shaper: Shaper, first: Delta, metrics):
+    opened, delta = set(), first
+    try:
+        while True:
+            if delta.text or delta.token_ids or delta.logprobs or delta.finish_reason or delta.index not in opened:
+                use = run.answer.usage() if generation.continuous_usage else None
+                yield sse(shaper.chunk(delta, role=delta.index not in opened, use=use))
+                opened.add(delta.index)
+            if run.answer.finished:
+                if generation.include_usage:
+                    yield sse(shaper.usage_chunk(run.answer.usage()))
+                break
+            try:
+                delta = await run.next()
+            except APIError as error:  # the engine failed mid-stream, long after the status line
+                metrics.refused.labels(str(error.status)).inc()
+                yield sse(error.body())
+                break
+        yield sse("[DONE]")
+    finally:
+        run.cancel_unfinished()  # a client gone mid-stream, or a choice failed: slots and pages go back now
+
+
+ROUTES = (  # method, path, route, the request body's schema in /openapi.json
+    ("GET", "/health", health, None),
+    ("GET", "/metrics", prometheus, None),
+    ("GET", "/v1/models", models, None),
+    ("POST", "/tokenize", tokenize_route, schemas.TOKENIZE),
+    ("POST", "/detokenize", detokenize_route, schemas.DETOKENIZE),
+    ("GET", "/tokenizer_info", tokenizer_info_route, None),
+    ("POST", "/v1/completions", completions, schemas.COMPLETION),
+    ("POST", "/v1/chat/completions", chat_completions, schemas.CHAT),
+)
 
 
 class Run:

@@ -1,18 +1,10 @@
-"""The one place the server meets the package's tokenizer (runtime/serving/text.py's TextCodec).
-
-`load_codec(package)` is the codec, or None when the package ships no tokenizer; the
-server then serves token ids only and answers text with a 400 (errors.NO_TOKENIZER).
-`AnswerText` turns the tokens a request gets, update by update, into the text and token
+"""The server's text: the package's tokenizer (`Package.tokenizer`, a TextCodec, as `b12x run`
+uses it), or none, when the server serves token ids only and answers text with a 400
+(errors.NO_TOKENIZER). `AnswerText` turns the tokens a request gets, update by update, into the text and token
 ids to send, cut at the first stop string.
 """
 
 from __future__ import annotations
-
-
-def load_codec(package):
-    from b12x_toolchain.runtime.serving.text import TextCodec
-
-    return TextCodec.from_package(package)
 
 
 def encode_chat(codec, messages: list[dict]) -> list[int]:

@@ -248,7 +248,7 @@ class EngineLoop:
             self._waiting, self._free = len(self.engine.waiting), len(self.engine.free)
         self.metrics.queue_depth.set(len(self.engine.waiting))
         self.metrics.running.set(len(self.engine.active))
-        self.metrics.record_pages(self.engine.session.pages.stats()["pools"])
+        self.metrics.record_pages(self.engine.session.pages.pool_stats())
 
     def _fail(self, exc: Exception) -> None:
         with self._lock:

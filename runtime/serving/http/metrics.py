@@ -57,22 +57,24 @@ class ServerMetrics:
                                              "Row-steps that accepted the draft at each position", ["position"],
                                              registry=registry)
 
-    def record_step(self, step: dict) -> None:
-        self.drafted.inc(step["drafted"])
-        self.accepted.inc(step["accepted"])
-        lengths = step["accepted_lengths"] if step["drafted"] else []
+    def record_step(self, step) -> None:
+        """One engine step's StepStats (serving/stats.py)."""
+        self.drafted.inc(step.drafted)
+        self.accepted.inc(step.accepted)
+        lengths = step.accepted_lengths if step.drafted else []
         self.spec_drafts.inc(len(lengths))
-        self.spec_draft_tokens.inc(step["drafted"])
-        self.spec_accepted.inc(step["accepted"])
+        self.spec_draft_tokens.inc(step.drafted)
+        self.spec_accepted.inc(step.accepted)
         for position in range(max(lengths, default=0)):
             self.spec_accepted_per_pos.labels(str(position)).inc(sum(n > position for n in lengths))
-        if step["rows"]:
-            self.tokens_per_step.observe(step["tokens_per_step"])
+        if step.rows:
+            self.tokens_per_step.observe(step.derived()["tokens_per_step"])
 
     def record_pages(self, pools: dict) -> None:
-        for pool, counts in pools.items():
-            self.pages_in_use.labels(pool).set(counts["in_use"])
-            self.pages.labels(pool).set(counts["pages"])
+        """Each pool's PoolStats (session/pages.py), by pool name."""
+        for pool, stats in pools.items():
+            self.pages_in_use.labels(pool).set(stats.in_use)
+            self.pages.labels(pool).set(stats.pages)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

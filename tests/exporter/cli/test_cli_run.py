@@ -82,7 +82,8 @@ def test_run_sampling_is_seeded(fused_pkg, fused_path):
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in result.output.splitlines()]
     pools = {row[0]: row[1:] for row in cells if row and row[0].endswith("_pages")}
     assert sorted(pools) == ["entry_pages", "index_key_pages"]
-    assert all(row[:3] == ["5", "0", "5"] for row in pools.values())  # 5 pages, none held at the end, 5 free
+    # 5 pages each; at the end only the prefix cache's snapshots (on by default) hold any.
+    assert all(row[0] == "5" and int(row[1]) + int(row[2]) == 5 for row in pools.values())
     # The seed reaches the engine: the Python API with the same seed draws the same tokens.
     want = Engine(fused_pkg.session(slots=2), temperature=0.8, seed=3).generate([Request([1, 2, 3], 6), Request([4], 6)])
     assert tokens_by_request(result.output) == {"0": want[0].tokens, "1": want[1].tokens}

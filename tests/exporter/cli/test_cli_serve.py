@@ -55,3 +55,23 @@ def test_sigterm_drains_and_writes_the_l2_cache(tmp_path, fused_path):
         if process.poll() is None:
             process.kill()
         process.stderr.close()
+
+
+def test_serve_with_no_engine_flags_restores_a_repeated_prompt(fused_path):
+    # The prefix cache is on by default, as in `b12x run` and the loader API: the second time a
+    # prompt comes, its prefill is restored from the first one's snapshot.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "serve", str(fused_path),
+                                "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = URL.search(process.stderr.readline()).group(1)
+        body = {"prompt": [(7 * i) % 50 + 1 for i in range(70)], "max_tokens": 2}
+        cached = [httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]
+                  ["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+        assert cached[0] == 0 and cached[1] > 0, cached
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()

@@ -88,14 +88,14 @@ def test_64_requests_through_8_slots_decode_as_greedy_alone(fused_pkg, workload,
 
     stats = engine.stats.as_dict()
     for name in COUNTERS:  # the per-step dicts add up to the cumulative one
-        assert sum(step[name] for step in steps) == stats[name], name
+        assert sum(getattr(step, name) for step in steps) == stats[name], name
     assert stats["admitted"] == stats["retired"] == REQUESTS
     assert stats["slot_reuse"] == REQUESTS - SLOTS
     assert stats["generated"] == sum(len(s.tokens) for s in states)
     assert stats["drafted"] == 7 * stats["rows"] and stats["bonus"] == stats["rows"]
     assert stats["acceptance_rate"] == stats["accepted"] / stats["drafted"]
     assert stats["padding_rows"] > 0  # odd batches happened, and padded into the scratch slot
-    assert max(step["rows"] for step in steps) == SLOTS
+    assert max(step.rows for step in steps) == SLOTS
     if drafting == "oracle":
         assert stats["mean_accepted_per_step"] > 2 and stats["tokens_per_step"] == pytest.approx(
             1 + stats["mean_accepted_per_step"])
@@ -116,7 +116,7 @@ def test_a_reused_slot_decodes_like_a_fresh_one(fused_pkg, temperature):
     steps = []
     old, new = engine.generate([a, b], steps.append)
     assert old.slot == new.slot == 0 and engine.stats.slot_reuse == 1
-    assert any(s["retired"] == 1 and s["admitted"] == 1 for s in steps)  # handed over within one step
+    assert any(s.retired == 1 and s.admitted == 1 for s in steps)  # handed over within one step
 
     fresh = Engine(fused_pkg.session(slots=1), temperature=temperature).generate([b])[0]
     assert new.tokens == fresh.tokens and len(new.tokens) == 12

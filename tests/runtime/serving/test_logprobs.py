@@ -71,13 +71,13 @@ def test_samples_of_one_prompt_prefill_it_once(fused_pkg):
     samples = [Request(prompt, 4, id=j, seed=j, temperature=1.0) for j in range(4)]
     alone = [Engine(session).generate([Request(prompt, 4, seed=j, temperature=1.0)])[0].tokens for j in range(4)]
     engine = Engine(session, prefix_cache=PrefixCache(fused_pkg))
-    prefilled, replay = [], engine._replay
+    prefilled, replay = [], engine.executor._replay
 
     def counted(name, stats, **values):
         prefilled.extend(values["slot_ids"] if name == "prefill" else [])
         return replay(name, stats, **values)
 
-    engine._replay = counted
+    engine.executor._replay = counted
     states = engine.generate(samples)
     assert [s.tokens for s in states] == alone
     assert [s.cached_tokens for s in states] == [0] + [len(prompt)] * 3

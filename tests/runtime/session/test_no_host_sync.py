@@ -80,10 +80,10 @@ def test_a_greedy_engine_step_makes_one_transfer(fused_pkg, speculative):
     session = fused_pkg.session(slots=2)
     engine = Engine(session, speculative=speculative)
     steps = _steps(engine, [Request(list(range(1, 40)), max_new_tokens=20), Request([7, 8, 9], max_new_tokens=20)])
-    decoding = [downloads for step, downloads in steps if step["admitted"] == 0 and step["rows"]]
+    decoding = [downloads for step, downloads in steps if step.admitted == 0 and step.rows]
     assert decoding and all(downloads == 1 for downloads in decoding), steps
     # A step that admits prefills first: the new rows' first tokens are one more transfer.
-    assert all(downloads <= 1 + (step["admitted"] > 0) for step, downloads in steps)
+    assert all(downloads <= 1 + (step.admitted > 0) for step, downloads in steps)
 
 
 def test_a_sampled_speculative_step_makes_one_transfer(fused_pkg):
@@ -93,5 +93,5 @@ def test_a_sampled_speculative_step_makes_one_transfer(fused_pkg):
     engine = Engine(session, speculative=True, temperature=0.8, seed=3)
     steps = _steps(engine, [Request([3, 4, 5, 6], max_new_tokens=16), Request([9] * 20, max_new_tokens=16)],
                    allow=("sampling.py",))
-    decoding = [downloads for step, downloads in steps if step["admitted"] == 0 and step["rows"]]
+    decoding = [downloads for step, downloads in steps if step.admitted == 0 and step.rows]
     assert decoding and all(downloads == 1 for downloads in decoding), steps

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from b12x_toolchain.runtime.serving.http.service import ServeOptions, Service
+from b12x_toolchain.runtime.serving.http.service import Service
 from b12x_toolchain.runtime.session.capture import RecordingCapture
 from b12x_toolchain.runtime.session.device import DeviceError
-from http_serving import client, start_server
+from http_serving import client, serve_options, start_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,7 +60,7 @@ def test_every_bucket_is_captured_on_the_thread_that_replays_it(fused_path):
 def test_a_session_that_cannot_open_raises_from_service_and_leaves_no_engine_thread(fused_path):
     before = _engine_threads()
     with pytest.raises(DeviceError, match=r"^device cuda:7: "):
-        Service(ServeOptions(str(fused_path), device="cuda:7"))
+        Service(serve_options(fused_path, device="cuda:7"))
     with pytest.raises(ValueError, match=r"^slots must be at least 1, got -1$"):  # the session's, on the loop thread
-        Service(ServeOptions(str(fused_path), slots=-1))
+        Service(serve_options(fused_path, slots=-1))
     assert _engine_threads() == before

@@ -1,0 +1,74 @@
+"""The engine's flags, one set for `b12x run` and `b12x serve`: same names, same defaults, same
+checks, turned into the EngineOptions (runtime/serving/options.py) the loader API takes too."""
+
+from __future__ import annotations
+
+import click
+
+from b12x_toolchain.runtime.serving.options import DEFAULT_PREFIX_CACHE_BYTES, EngineOptions
+
+ENGINE_FLAGS = (
+    click.option("--device", default="cpu", show_default=True,
+                 help="torch device of the session: cpu, cuda (the current CUDA device) or cuda:N; one torch "
+                      "cannot use is refused before anything runs."),
+    click.option("--slots", type=click.IntRange(min=1),
+                 help="Requests decoded together [default: the package's largest verify rows bucket]."),
+    click.option("--pages", type=click.IntRange(min=1),
+                 help="Pages of each paged-cache pool [default: what the device's memory share holds, at most "
+                      "every slot at max_seq_len]; requests wait for pages, one that could never fit is refused."),
+    click.option("--cache-bytes", type=click.IntRange(min=1),
+                 help="Byte budget of the paged caches, split so every pool holds the same tokens (instead of "
+                      "--pages)."),
+    click.option("--greedy", is_flag=True,
+                 help="Plain greedy decoding, one token per step, instead of speculative decoding."),
+    click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+                 help="Temperature of requests that set none: 0 decodes greedily; above 0 samples (speculative "
+                      "sampling keeps the target's distribution)."),
+    click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0, max=1, min_open=True),
+                 help="Nucleus sampling mass of requests that set none."),
+    click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed of requests that set none."),
+    click.option("--prefix-cache-bytes", default=DEFAULT_PREFIX_CACHE_BYTES, show_default=True,
+                 type=click.IntRange(min=0),
+                 help="Byte budget of each prefix-cache tier; a repeated prompt prefix is restored from a "
+                      "snapshot instead of prefilled. 0 turns the prefix cache off."),
+    click.option("--prefix-cache-dir", type=click.Path(file_okay=False),
+                 help="Also keep prompt snapshots in this directory (L2, survives restarts)."),
+    click.option("--compile", "compiled", is_flag=True,
+                 help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
+                      "(half a minute to minutes per pass graph; cached locally, keyed by package, device and "
+                      "torch)."),
+    click.option("--threads", type=click.IntRange(min=1),
+                 help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine."),
+)
+NAMES = ("device", "slots", "pages", "cache_bytes", "greedy", "temperature", "top_p", "seed", "prefix_cache_bytes",
+         "prefix_cache_dir", "compiled", "threads")
+
+
+def engine_flags(command):
+    """Decorate a click command with the engine's flags (its function takes them by NAMES)."""
+    for flag in reversed(ENGINE_FLAGS):
+        command = flag(command)
+    return command
+
+
+def engine_options(flags: dict) -> EngineOptions:
+    """The EngineOptions of the flags' values; a combination that cannot work is a usage error,
+    before anything loads. Sets torch's thread count when --threads is given."""
+    if flags["greedy"] and flags["temperature"] > 0:
+        raise click.UsageError("--greedy decodes greedily; it cannot be combined with --temperature above 0")
+    if flags["pages"] is not None and flags["cache_bytes"] is not None:
+        raise click.UsageError("--pages and --cache-bytes both size the paged caches; give one of them")
+    options = dict(device=flags["device"], slots=flags["slots"], pages=flags["pages"],
+                   cache_bytes=flags["cache_bytes"], speculative=not flags["greedy"],
+                   temperature=flags["temperature"], top_p=flags["top_p"], seed=flags["seed"],
+                   prefix_cache_bytes=flags["prefix_cache_bytes"], prefix_cache_dir=flags["prefix_cache_dir"],
+                   compile=flags["compiled"])
+    try:
+        built = EngineOptions(**options)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if flags["threads"] is not None:
+        import torch
+
+        torch.set_num_threads(flags["threads"])
+    return built

@@ -1,0 +1,77 @@
+"""How an engine is built: one set of options and one builder for every front end.
+
+`b12x run`, `b12x serve` and a server embedding the loader API all describe their engine with
+`EngineOptions` and get it from `open_engine`, so a default set here is the default
+everywhere. The in-memory prefix tier is on by default (1 GiB): a repeated prompt, or the
+shared head of a chat's turns, is restored from a snapshot instead of prefilled again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    slots: int | None = None  # default: the package's largest verify rows bucket
+    pages: int | None = None  # per paged-cache pool; default: what the session's memory share holds
+    cache_bytes: int | None = None  # instead of pages: the paged caches' byte budget
+    speculative: bool = True  # draft and verify; otherwise one token per step
+    temperature: float = 0.0  # for requests that set none: 0 decodes greedily
+    top_p: float = 1.0
+    seed: int = 0
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # each tier's budget; 0: no prefix cache
+    prefix_cache_dir: str | None = None  # the L2 tier's directory (snapshots survive restarts)
+    compile: bool = False  # replay through TorchInductor, compiled on first use
+    capture: object = None  # how the session captures each bucket (session/capture.py); default by device
+
+    def __post_init__(self):
+        problems = check_options(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def describe(self) -> dict:
+        """The options as plain data (what a test compares across front ends)."""
+        return {k: v for k, v in asdict(self).items() if k != "capture"}
+
+
+def check_options(options: EngineOptions) -> list[str]:
+    """What is wrong with a combination of options, each naming the values."""
+    problems = []
+    if options.pages is not None and options.cache_bytes is not None:
+        problems.append(f"pages ({options.pages}) and cache_bytes ({options.cache_bytes}) both size the paged "
+                        "caches; give one of them")
+    if not options.speculative and options.temperature > 0:
+        problems.append(f"plain greedy decoding cannot sample at temperature {options.temperature}; "
+                        "decode speculatively to sample")
+    if options.prefix_cache_bytes < 0:
+        problems.append(f"prefix_cache_bytes must be >= 0, got {options.prefix_cache_bytes}")
+    if options.prefix_cache_dir is not None and options.prefix_cache_bytes == 0:
+        problems.append(f"a prefix cache directory ({options.prefix_cache_dir}) needs prefix_cache_bytes above 0")
+    return problems
+
+
+def open_prefix_cache(package, options: EngineOptions):
+    """The prefix cache the options ask for (L1 in memory, L2 on disk with a directory), or None."""
+    from b12x_toolchain.runtime.prefix.cache import PrefixCache
+
+    if options.prefix_cache_bytes == 0:
+        return None
+    return PrefixCache(package, l1_bytes=options.prefix_cache_bytes, l2_dir=options.prefix_cache_dir,
+                       l2_bytes=options.prefix_cache_bytes)
+
+
+def open_engine(package, options: EngineOptions, prefix_cache=None, drafter=None):
+    """The session and engine `options` describe over a loaded package. The caller owns
+    `prefix_cache` (open_prefix_cache), which outlives the engine and is closed by the caller."""
+    from b12x_toolchain.runtime.serving.engine import Engine, passes_used
+
+    slots = options.slots or package.passes["verify"].rows_buckets[-1]
+    session = package.session(device=options.device, slots=slots, pages=options.pages,
+                              cache_bytes=options.cache_bytes, compile=options.compile, capture=options.capture,
+                              passes=passes_used(package.passes, options.speculative, drafter))
+    return Engine(session, speculative=options.speculative, temperature=options.temperature, top_p=options.top_p,
+                  seed=options.seed, drafter=drafter, prefix_cache=prefix_cache)
