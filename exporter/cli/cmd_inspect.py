@@ -31,6 +31,45 @@ def _described(info) -> tuple[str, str, str]:
     return info.kind, owner, fmt
 
 
+def _table(title: str, columns: tuple[str, ...], rows, caption: str | None = None,
+           no_wrap: tuple[str, ...] = ()) -> Table:
+    """A table of `rows` under `columns`; the `no_wrap` ones hold what a reader greps for: never folded."""
+    table = Table(title=title, caption=caption)
+    for column in columns:
+        table.add_column(column, no_wrap=column in no_wrap)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _pass_table(name: str, entry) -> Table:
+    """A pass's inputs and outputs; its weights only counted, in the caption."""
+    rows = [(spec.name, spec.role, spec.dtype, str(list(spec.shape)), _described(spec.info)[0])
+            for spec in entry.inputs + entry.outputs if spec.role != "weight"]
+    weights = sum(1 for s in entry.inputs if s.role == "weight")
+    staged = f"; persists the staging of {entry.reads_staging_of}" if entry.reads_staging_of else ""
+    return _table(f"pass {name}: width {entry.width}, rows buckets {list(entry.rows_buckets)}",
+                  ("name", "role", "dtype", "shape", "kind"), rows,
+                  caption=f"advances {entry.advances or '-'}{staged}; + {weights} weight inputs", no_wrap=("name",))
+
+
+def _buffers_table(buffers: dict) -> Table:
+    rows = []
+    for name, info in buffers.items():
+        kind, owner, described = _described(info)
+        rows.append((name, kind, owner.replace("layer ", "L").replace("stage ", "S"), described))
+    return _table("buffers: what each cache and staging buffer holds", ("name", "kind", "owner", "rows"), rows,
+                  caption="owner: L target layer, S draft stage; rows: format x dims, /positions per row",
+                  no_wrap=("name", "kind", "rows"))
+
+
+def _rewrites_table(rewrites) -> Table:
+    rows = [(pass_name, rewrite, str(r.matches), str(r.nodes_before), str(r.nodes_after))
+            for pass_name, results in rewrites.results.items() for rewrite, r in results.items()]
+    return _table(f"rewrites: {list(rewrites.pipeline) or 'none'}",
+                  ("pass", "rewrite", "matches", "nodes before", "nodes after"), rows)
+
+
 def _summary(manifest) -> None:
     """`manifest`: the typed Manifest (runtime/package/manifest.py)."""
     console = _console()
@@ -42,41 +81,13 @@ def _summary(manifest) -> None:
         console.print(f"parallel: {parallel.describe()}; {len(parallel.splits)} weights split; collectives per "
                       f"rank: {collectives}", highlight=False)
     for name, entry in manifest.passes.items():
-        table = Table(title=f"pass {name}: width {entry.width}, rows buckets {list(entry.rows_buckets)}")
-        table.add_column("name", no_wrap=True)  # names are what a reader greps for: never folded
-        for column in ("role", "dtype", "shape", "kind"):
-            table.add_column(column)
-        for spec in entry.inputs + entry.outputs:
-            if spec.role != "weight":
-                table.add_row(spec.name, spec.role, spec.dtype, str(list(spec.shape)), _described(spec.info)[0])
-        weights = sum(1 for s in entry.inputs if s.role == "weight")
-        staged = f"; persists the staging of {entry.reads_staging_of}" if entry.reads_staging_of else ""
-        table.caption = f"advances {entry.advances or '-'}{staged}; + {weights} weight inputs"
-        console.print(table)
-    described = Table(title="buffers: what each cache and staging buffer holds",
-                      caption="owner: L target layer, S draft stage; rows: format x dims, /positions per row")
-    for column in ("name", "kind"):
-        described.add_column(column, no_wrap=True)
-    described.add_column("owner")
-    described.add_column("rows", no_wrap=True)
-    for name, info in manifest.buffers.items():
-        kind, owner, rows = _described(info)
-        described.add_row(name, kind, owner.replace("layer ", "L").replace("stage ", "S"), rows)
-    console.print(described)
-    formats = Table(title="cache formats: whose bytes the caches hold",
-                    caption=f"records of flashinfer-python {manifest.versions['flashinfer_pin']}, the pinned release")
-    for column in ("format", "convention"):
-        formats.add_column(column, no_wrap=True)
-    for name, convention in manifest.cache_formats.items():
-        formats.add_row(name, convention)
-    console.print(formats)
-    rewrites = Table(title=f"rewrites: {list(manifest.rewrites.pipeline) or 'none'}")
-    for column in ("pass", "rewrite", "matches", "nodes before", "nodes after"):
-        rewrites.add_column(column)
-    for pass_name, results in manifest.rewrites.results.items():
-        for rewrite, r in results.items():
-            rewrites.add_row(pass_name, rewrite, str(r.matches), str(r.nodes_before), str(r.nodes_after))
-    console.print(rewrites)
+        console.print(_pass_table(name, entry))
+    console.print(_buffers_table(manifest.buffers))
+    console.print(_table("cache formats: whose bytes the caches hold", ("format", "convention"),
+                         manifest.cache_formats.items(), no_wrap=("format", "convention"),
+                         caption=f"records of flashinfer-python {manifest.versions['flashinfer_pin']}, "
+                                 "the pinned release"))
+    console.print(_rewrites_table(manifest.rewrites))
     if manifest.weights.external:
         tensors = manifest.weights.tensors
         checked = sum(1 for t in tensors.values() if t.sha256)
@@ -87,12 +98,7 @@ def _summary(manifest) -> None:
         template = "a chat template" if tokenizer.chat_template else "no chat template"
         console.print(f"tokenizer: {tokenizer.file}, eos {tokenizer.eos_token_id}, pad {tokenizer.pad_token_id}, "
                       f"{template}", highlight=False)
-    files = Table(title="files")
-    files.add_column("file")
-    files.add_column("sha256")
-    for name, digest in manifest.files.items():
-        files.add_row(name, digest)
-    console.print(files)
+    console.print(_table("files", ("file", "sha256"), manifest.files.items()))
 
 
 def _write_onnx(pkg, out_dir: str) -> None:

@@ -15,7 +15,8 @@ for node and replays every pass through both), built without torch's deserialise
 
 Only what graph_json.py lets through is built: aten, op-set and collective calls, getitem,
 plain-data arguments, user inputs and outputs. Anything else is a PackageError; nothing is
-unpickled and no string is evaluated.
+unpickled and no string is evaluated. graph_arguments.py reads the nodes' arguments and the
+program's signature; this module builds the nodes and the program.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import operator
 import torch
 from torch._export.verifier import load_verifier
 from torch.export import exported_program as ep
-from torch.utils._pytree import TreeSpec, treespec_loads
+from torch.utils._pytree import TreeSpec
 
 from b12x_toolchain.runtime.errors import PackageError
-from b12x_toolchain.runtime.package.graph_enums import KEYWORD, POSITIONAL, device, dtype, layout, memory_format
+from b12x_toolchain.runtime.package.graph_arguments import ArgumentReader, one
+from b12x_toolchain.runtime.package.graph_enums import KEYWORD, POSITIONAL
 
 ST_DELIMITER = ";"  # torch's separator of stacked node metadata
 # Ops on symbolic scalars, which torch deserialises by position and names after their output.
@@ -91,12 +93,6 @@ def _check_schema_version(version) -> None:
                            f"reads ({GRAPH_SCHEMA_MAJOR}.x, any minor)")
 
 
-def _one(union: dict) -> tuple[str, object]:
-    """(kind, value) of a serialised union: an object with one key."""
-    (kind, value), = union.items()
-    return kind, value
-
-
 class _Builder:
     def __init__(self, document: dict, describe: bool):
         _check_schema_version(document.get("schema_version"))
@@ -108,6 +104,7 @@ class _Builder:
             self.symbols = Symbols(document.get("range_constraints", {}))
         self.graph = torch.fx.Graph()
         self.nodes: dict[str, torch.fx.Node] = {}
+        self.arguments = ArgumentReader(self.nodes)
         graph = self.module["graph"]
         self.values = {**graph.get("tensor_values", {}), **graph.get("sym_int_values", {})}
         self.tensor_names = set(graph.get("tensor_values", {}))
@@ -118,10 +115,10 @@ class _Builder:
 
     def _built(self) -> tuple[ep.ExportGraphSignature, list[ep.ModuleCallEntry]]:
         signature = ep.ExportGraphSignature(
-            input_specs=[self._input_spec(s) for s in self.module["signature"]["input_specs"]],
-            output_specs=[self._output_spec(s) for s in self.module["signature"]["output_specs"]])
+            input_specs=[self.arguments.input_spec(s) for s in self.module["signature"]["input_specs"]],
+            output_specs=[self.arguments.output_spec(s) for s in self.module["signature"]["output_specs"]])
         self._graph(self.module["graph"], signature)
-        calls = [ep.ModuleCallEntry(fqn=e["fqn"], signature=self._call_signature(e.get("signature")))
+        calls = [ep.ModuleCallEntry(fqn=e["fqn"], signature=self.arguments.call_signature(e.get("signature")))
                  for e in self.module["module_call_graph"]]
         return signature, calls
 
@@ -173,65 +170,17 @@ class _Builder:
             return self.symbols.fake_tensor(self.values[name])
         return self.symbols.sym_int(self.values[name])
 
-    def _node(self, name: str) -> torch.fx.Node:
-        if name not in self.nodes:
-            raise PackageError(f"value {name!r} is used before it is defined")
-        return self.nodes[name]
-
-    def _sym(self, argument: dict):
-        kind, value = _one(argument)
-        if kind == "as_name":
-            return self._node(value)
-        if kind in ("as_int", "as_bool"):
-            return value
-        if kind == "as_float":
-            return float(value)
-        raise PackageError(f"a symbolic argument of kind {kind!r}")
-
-    def _arg(self, argument: dict):
-        kind, value = _one(argument)
-        if kind in ("as_none",):
-            return None
-        if kind == "as_tensor":
-            return self._node(value["name"])
-        if kind in ("as_int", "as_bool", "as_string"):
-            return value
-        if kind == "as_float":  # JSON writes infinities and NaN as strings; torch reads them with float()
-            return float(value)
-        if kind in ("as_ints", "as_bools", "as_strings"):
-            return list(value)
-        if kind == "as_floats":
-            return [float(v) for v in value]
-        if kind == "as_tensors":
-            return [self._node(a["name"]) for a in value]
-        if kind == "as_optional_tensors":
-            return [None if _one(a)[0] == "as_none" else self._node(_one(a)[1]["name"]) for a in value]
-        if kind in ("as_sym_int", "as_sym_float", "as_sym_bool"):
-            return self._sym(value)
-        if kind in ("as_sym_ints", "as_sym_floats", "as_sym_bools"):
-            return [self._sym(a) for a in value]
-        if kind == "as_scalar_type":
-            return dtype(value)
-        if kind == "as_layout":
-            return layout(value)
-        if kind == "as_memory_format":
-            return memory_format(value)
-        if kind == "as_device":
-            return device(value)
-        if kind == "as_complex":
-            return complex(float(value["real"]), float(value["imag"]))
-        raise PackageError(f"an argument of kind {kind!r}")
-
     # -- the graph --------------------------------------------------------------------
 
     def _graph(self, graph: dict, signature: ep.ExportGraphSignature) -> None:
         for i, argument in enumerate(graph["inputs"]):
-            kind, value = _one(argument)
-            if kind == "as_tensor" or (kind == "as_sym_int" and _one(value)[0] == "as_name"):
+            kind, value = one(argument)
+            if kind == "as_tensor" or (kind == "as_sym_int" and one(value)[0] == "as_name"):
                 name = value["name"] if kind == "as_tensor" else value["as_name"]
                 self._name(name, self.graph.placeholder(name))
             elif kind in ("as_int", "as_float", "as_bool", "as_none", "as_string"):
-                self._describe(self.graph.placeholder(signature.input_specs[i].arg.name or f"arg{i}"), self._arg(argument))
+                placeholder = self.graph.placeholder(signature.input_specs[i].arg.name or f"arg{i}")
+                self._describe(placeholder, self.arguments.read(argument))
             else:
                 raise PackageError(f"graph input {i} of kind {kind!r}")
         for node in graph["nodes"]:
@@ -263,11 +212,11 @@ class _Builder:
                 raise PackageError(f"unbacked symbols {sorted(map(str, pending))} are never produced")
 
     def _output(self, argument: dict):
-        kind, value = _one(argument)
+        kind, value = one(argument)
         if kind == "as_tensor":
-            return self._node(value["name"])
+            return self.arguments.node(value["name"])
         if kind in ("as_sym_int", "as_sym_bool", "as_sym_float"):
-            return self._node(value["as_name"])
+            return self.arguments.node(value["as_name"])
         if kind in ("as_int", "as_float", "as_bool", "as_none"):
             return None if kind == "as_none" else value
         raise PackageError(f"a graph output of kind {kind!r}")
@@ -276,9 +225,9 @@ class _Builder:
         target = _target(node["target"])
         name = node.get("name") or None
         if target in SYM_OPS:
-            args = tuple(self._arg(a["arg"]) for a in node["inputs"])
-            made = self.graph.create_node("call_function", target, args, {}, name or _one(node["outputs"][0])[1]["as_name"])
-            self._name(_one(node["outputs"][0])[1]["as_name"], made)
+            args = tuple(self.arguments.read(a["arg"]) for a in node["inputs"])
+            made = self.graph.create_node("call_function", target, args, {}, name or one(node["outputs"][0])[1]["as_name"])
+            self._name(one(node["outputs"][0])[1]["as_name"], made)
         elif isinstance(target, torch._ops.OpOverload):
             if name is None and _single_tensor_return(target):
                 name = node["outputs"][0]["as_tensor"]["name"]
@@ -286,9 +235,9 @@ class _Builder:
             made = self.graph.create_node("call_function", target, args, kwargs, name)
             self._outputs(node, made)
         else:  # operator.getitem: arguments by position, or by name when the document names them
-            args = tuple(self._arg(a["arg"]) for a in node["inputs"] if a.get("kind") == POSITIONAL
+            args = tuple(self.arguments.read(a["arg"]) for a in node["inputs"] if a.get("kind") == POSITIONAL
                          or a["name"] == "")
-            kwargs = {a["name"]: self._arg(a["arg"]) for a in node["inputs"]
+            kwargs = {a["name"]: self.arguments.read(a["arg"]) for a in node["inputs"]
                       if not (a.get("kind") == POSITIONAL or a["name"] == "")}
             made = self.graph.create_node("call_function", target, args, kwargs, name)
             self._outputs(node, made)
@@ -308,7 +257,7 @@ class _Builder:
         """Arguments by the op's schema: positional or keyword as the document records them,
         or else as the schema says (torch's rule, kept for documents that record no kind)."""
         kinds = {a["name"]: a.get("kind") for a in inputs}
-        given = {a["name"]: self._arg(a["arg"]) for a in inputs}
+        given = {a["name"]: self.arguments.read(a["arg"]) for a in inputs}
         args, kwargs = [], {}
         for schema_arg in target._schema.arguments:
             name = schema_arg.name
@@ -333,7 +282,7 @@ class _Builder:
         if not outputs:
             return
         if len(outputs) == 1:
-            kind, value = _one(outputs[0])
+            kind, value = one(outputs[0])
             if kind == "as_tensor":
                 return self._name(value["name"], made)
             if kind in ("as_sym_int", "as_sym_bool", "as_sym_float"):
@@ -346,7 +295,7 @@ class _Builder:
                 raise PackageError(f"node {made.name}: an output of kind {kind!r}")
         metadata, vals = self._metadata(node.get("metadata", {})), []
         if len(outputs) == 1:
-            self._getitems(vals, made, [{"as_tensor": a} for a in _one(outputs[0])[1]], metadata)
+            self._getitems(vals, made, [{"as_tensor": a} for a in one(outputs[0])[1]], metadata)
         else:
             self._getitems(vals, made, outputs, metadata)
         self._describe(made, tuple(vals))
@@ -355,7 +304,7 @@ class _Builder:
     def _getitems(self, vals: list, made: torch.fx.Node, outputs: list, metadata: dict) -> None:
         """One getitem node per output of a call that returns several (FX's one value per node)."""
         for i, argument in enumerate(outputs):
-            kind, value = _one(argument)
+            kind, value = one(argument)
             if kind in ("as_tensor", "as_sym_int", "as_sym_float"):
                 name = value["name"] if kind == "as_tensor" else value["as_name"]
                 item = self.graph.create_node("call_function", operator.getitem, (made, i), name=name)
@@ -386,40 +335,6 @@ class _Builder:
             out["torch_fn"] = tuple(torch_fn.split(ST_DELIMITER))
         return out
 
-    # -- signature --------------------------------------------------------------------
-
-    def _argument_spec(self, argument: dict):
-        kind, value = _one(argument)
-        if kind == "as_tensor":
-            return ep.TensorArgument(name=value["name"])
-        if kind == "as_sym_int":
-            return ep.SymIntArgument(name=value["as_name"])
-        if kind == "as_sym_float":
-            return ep.SymFloatArgument(name=value["as_name"])
-        if kind == "as_custom_obj":
-            raise PackageError("a custom object in the signature")
-        return ep.ConstantArgument(name="", value=self._arg(argument))
-
-    def _input_spec(self, spec: dict) -> ep.InputSpec:
-        kind, value = _one(spec)
-        if kind != "user_input":
-            raise PackageError(f"an input of kind {kind!r}; b12x graphs take every tensor as a user input")
-        return ep.InputSpec(kind=ep.InputKind.USER_INPUT, arg=self._argument_spec(value["arg"]), target=None)
-
-    def _output_spec(self, spec: dict) -> ep.OutputSpec:
-        kind, value = _one(spec)
-        if kind != "user_output":
-            raise PackageError(f"an output of kind {kind!r}; b12x graphs return user outputs only")
-        return ep.OutputSpec(kind=ep.OutputKind.USER_OUTPUT, arg=self._argument_spec(value["arg"]), target=None)
-
-    def _call_signature(self, signature: dict | None) -> ep.ModuleCallSignature | None:
-        if not signature:
-            return None
-        return ep.ModuleCallSignature(
-            inputs=[self._argument_spec(a) for a in signature["inputs"]],
-            outputs=[self._argument_spec(a) for a in signature["outputs"]],
-            in_spec=treespec_loads(signature["in_spec"]), out_spec=treespec_loads(signature["out_spec"]),
-            forward_arg_names=signature.get("forward_arg_names") or None)
 
 
 def _target(text: str):

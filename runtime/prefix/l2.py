@@ -31,144 +31,49 @@ without O_NONBLOCK would block until someone writes to it). Under a snapshot's o
 journal's name, a link, FIFO or socket is counted (`not_regular`) and never used; the
 writer's start-up removes it — the link itself, never its target. A linked lock file makes
 the store a reader. Nothing outside the directory is read, written, renamed or removed.
+
+This module holds the store; l2_files.py names and opens the files, l2_journal.py keeps the recency
+log and l2_index.py the store's index of the snapshot files (recency order, sizes, pins).
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import re
 import secrets
 import stat
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from b12x_toolchain.runtime.prefix import keys as prefix_keys
-from b12x_toolchain.runtime.prefix import snapshot_file
+from b12x_toolchain.runtime.prefix import l2_files, snapshot_file
 from b12x_toolchain.runtime.prefix.keys import KEY_PREFIX, Identity
+from b12x_toolchain.runtime.prefix.l2_files import (
+    JOURNAL,
+    LOCK,
+    NAME,
+    TMP_PREFIX,
+    TMP_SUFFIX,
+    NotRegularFile,
+    create_new,
+    file_name,
+    fsync_dir,
+    hash_pool,
+    is_regular,
+    open_regular,
+    unlink,
+)
+from b12x_toolchain.runtime.prefix.l2_index import L2Index
+from b12x_toolchain.runtime.prefix.l2_journal import RecencyJournal
 from b12x_toolchain.runtime.prefix.snapshot import Snapshot
 
-NAME = re.compile(r"^([0-9a-f]{16})-(\d{9})-([0-9a-f]{64})\.safetensors$")
-TMP_PREFIX, TMP_SUFFIX = ".tmp-", ".partial"
-LOCK, JOURNAL = ".lock", "recency.log"
+# The store reads and writes snapshot files through these names of this module, so that either can
+# be stood in for: a read held while its entry is pinned, a write stopped halfway (tests/runtime/prefix).
+_read_file, _write_chunks = l2_files.read_file, l2_files.write_chunks
 RESCAN_SECONDS = 1.0  # a reader lists the directory again at least this often
-
-
-# Opens that never follow a link at the last component and never wait on a FIFO.
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class NotRegularFile(OSError):
-    """A name in the directory is a link, FIFO, socket or directory: never opened through."""
-
-
-def _open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
-    """An fd of the regular file at `path` itself, opened with `flags`; NotRegularFile for
-    anything else (a link is refused, not followed; a FIFO's fd is closed unread)."""
-    try:
-        fd = os.open(path, flags | _OPEN_FLAGS, mode)
-    except OSError as exc:
-        # ELOOP: a link (O_NOFOLLOW); EISDIR: a directory opened to write; ENXIO: a socket,
-        # or a FIFO opened to write while nothing reads it.
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise NotRegularFile(exc.errno, f"{path}: a link, directory, socket or FIFO; "
-                                            "expected a regular file") from None
-        raise
-    try:
-        kind = stat.S_IFMT(os.fstat(fd).st_mode)
-        if kind != stat.S_IFREG:
-            raise NotRegularFile(errno.EINVAL, f"{path}: file type {kind:#o}; "
-                                               f"expected a regular file ({stat.S_IFREG:#o})")
-        # O_NONBLOCK only guarded the open: reads and writes of a regular file go back to normal.
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _create_new(path: Path):
-    """A new file at `path`, opened for writing; fails if anything (a link included) is already there."""
-    return os.fdopen(_open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
-
-
-def _is_regular(entry: os.DirEntry) -> bool:
-    """Whether the entry itself is a regular file (a link to one is not); nothing is opened."""
-    try:
-        return entry.is_file(follow_symlinks=False)
-    except OSError:
-        return False
-
-
-def file_name(snap: Snapshot) -> str:
-    return f"{snap.identity.key[:KEY_PREFIX]}-{snap.length:09d}-{snap.token_hash}.safetensors"
-
-
-def _write_chunks(fileobj, chunks) -> None:
-    for chunk in chunks:
-        fileobj.write(chunk)
-
-
-_POOL = None
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="b12x-l2-hash")
-    return _POOL
-
-
-def _read_into(f, view: memoryview, start: int, end: int) -> int:
-    done = start
-    while done < end:
-        n = f.readinto(view[done:end])
-        if not n:
-            break
-        done += n
-    return done - start
-
-
-def _read_file(path: Path) -> tuple[memoryview, bytes | None]:
-    """The whole file in one uninitialised buffer (zero-filling it would cost a pass), and
-    the digests of its data chunks when there are several: each is hashed on a pool thread
-    as soon as it is read, so hashing overlaps reading."""
-    chunk = snapshot_file.CHECKSUM_CHUNK
-    with os.fdopen(_open_regular(path, os.O_RDONLY), "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
-        done = _read_into(f, view, 0, min(size, 8))
-        start = snapshot_file.data_start(view[:done], size)
-        futures = []
-        if start is not None and size - start > chunk:
-            done += _read_into(f, view, done, start)
-            while done < size:
-                n = _read_into(f, view, done, min(size, done + chunk))
-                if not n:
-                    break
-                futures.append(_hash_pool().submit(snapshot_file.chunk_digest, view[done : done + n]))
-                done += n
-        else:
-            done += _read_into(f, view, done, size)
-    if done != size:
-        raise snapshot_file.CorruptSnapshot(f"file shrank from {size} to {done} bytes while being read")
-    return view, (b"".join(f.result() for f in futures) if futures else None)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -197,15 +102,6 @@ class L2Stats:
         return asdict(self)
 
 
-@dataclass
-class _Entry:
-    key16: str
-    length: int
-    token_hash: str
-    size: int
-    pins: int = 0
-
-
 class L2Store:
     def __init__(self, directory, max_bytes: int, scrub: bool = True):
         if max_bytes < 0:
@@ -214,12 +110,10 @@ class L2Store:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stats = L2Stats()
         self._lock = threading.RLock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._index = L2Index()
         self._bad: set[str] = set()  # a reader's files that failed verification: skipped, not removed
         self._not_regular: set[str] = set()  # names already counted in stats.not_regular
-        self._tracked = 0
-        self._journal_pos = 0
-        self._journal_lines = 0
+        self._journal = RecencyJournal(self.dir, self._count_not_regular)
         self._scanned_at, self._dir_mtime = 0.0, None
         self._lock_fd = self._open_lock()
         self.writable = False
@@ -232,13 +126,13 @@ class L2Store:
         """The lock file's fd; None (the store only reads) when it cannot be had. A link
         there is not followed: locking its target would lock nothing the others lock."""
         try:
-            return _open_regular(self.dir / LOCK, os.O_RDWR | os.O_CREAT)
+            return open_regular(self.dir / LOCK, os.O_RDWR | os.O_CREAT)
         except NotRegularFile:
             self._count_not_regular(LOCK)
             return None
         except OSError:
             try:  # a read-only directory: this store can only ever read
-                return _open_regular(self.dir / LOCK, os.O_RDONLY)
+                return open_regular(self.dir / LOCK, os.O_RDONLY)
             except NotRegularFile:
                 self._count_not_regular(LOCK)
                 return None
@@ -266,26 +160,25 @@ class L2Store:
     def _recover(self) -> None:
         """Writer start-up: drop orphans and failing files, rebuild accounting and LRU order."""
         with self._lock:
-            self._entries.clear()
-            self._tracked = 0
+            self._index.clear()
             self._remove_strays()
             found = {}
             for name, size in self._list().items():
                 if self.scrub:
                     try:
-                        snapshot_file.verify(*_read_file(self.dir / name), pool=_hash_pool())
+                        snapshot_file.verify(*_read_file(self.dir / name), pool=hash_pool())
                     except (snapshot_file.CorruptSnapshot, snapshot_file.SchemaMismatch, OSError) as exc:
                         self._count_failure(exc, name)
                         self._remove_failed(name, exc)
                         continue
                 found[name] = size
-            order = self._journal_order(found)
+            order = self._journal.order(found)
             for name in order:
-                self._add(name, found[name])
+                self._index.add(name, found[name])
             self._compact_journal()
-            if self._tracked > self.max_bytes:  # the budget shrank since the last run
+            if self._index.tracked > self.max_bytes:  # the budget shrank since the last run
                 self._make_room(0)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
 
     def _remove_strays(self) -> None:
         """Writer start-up: remove orphaned temporaries, and whatever sits under a snapshot's
@@ -294,11 +187,11 @@ class L2Store:
         for entry in os.scandir(self.dir):
             name = entry.name
             if name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX):
-                self._unlink(Path(entry.path))
+                unlink(Path(entry.path))
                 self.stats.orphans_removed += 1
-            elif (NAME.match(name) or name == JOURNAL) and not _is_regular(entry):
+            elif (NAME.match(name) or name == JOURNAL) and not is_regular(entry):
                 self._count_not_regular(name)
-                if self._unlink(Path(entry.path)):
+                if unlink(Path(entry.path)):
                     self._not_regular.discard(name)  # gone: a new one there is counted again
 
     def _list(self) -> dict[str, int]:
@@ -338,117 +231,33 @@ class L2Store:
         self._dir_mtime, self._scanned_at = mtime, now
         found = self._list()
         with self._lock:
-            if found.keys() == self._entries.keys():
+            if found.keys() == self._index.entries.keys():
                 return False
             self._bad &= set(found)
-            for name in [n for n in self._entries if n not in found]:
-                self._drop(name)
-            for name in self._journal_order({n: s for n, s in found.items() if n not in self._entries}):
-                self._add(name, found[name])
+            for name in [n for n in self._index.entries if n not in found]:
+                self._index.drop(name)
+            for name in self._journal.order({n: s for n, s in found.items() if n not in self._index.entries}):
+                self._index.add(name, found[name])
         return True
 
     # -- recency journal ----------------------------------------------------------------
 
-    def _journal_order(self, found: dict[str, int]) -> list[str]:
-        """Names of `found` least recently used first: unmentioned ones first (by name),
-        then by their last line in the journal."""
-        last = {}
-        data = self._read_journal(0)
-        self._journal_pos = len(data)
-        lines = data.split(b"\n")
-        for i, line in enumerate(lines[:-1]):  # a torn last line is ignored
-            name = line.decode("ascii", "replace")
-            if name in found:
-                last[name] = i
-        self._journal_lines = len(lines) - 1
-        return sorted((n for n in found if n not in last)) + sorted(last, key=last.get)
-
-    def _read_journal(self, start: int) -> bytes:
-        """The journal from byte `start` on; empty when it is missing, unreadable or not a
-        regular file (a link is not followed: recency is advice, and the writer's next
-        compaction puts a real journal in the link's place)."""
-        try:
-            with os.fdopen(_open_regular(self.dir / JOURNAL, os.O_RDONLY), "rb") as f:
-                f.seek(start)
-                return f.read()
-        except NotRegularFile:
-            self._count_not_regular(JOURNAL)
-        except OSError:
-            pass
-        return b""
-
-    def _ingest_journal(self) -> None:
-        """Writer: fold in accesses appended since the last look (readers' hits)."""
-        data = self._read_journal(self._journal_pos)
-        end = data.rfind(b"\n") + 1
-        self._journal_pos += end
-        for line in data[:end].split(b"\n")[:-1]:
-            name = line.decode("ascii", "replace")
-            self._journal_lines += 1
-            if name in self._entries:
-                self._entries.move_to_end(name)
-
     def _append_journal(self, name: str) -> None:
-        try:
-            fd = _open_regular(self.dir / JOURNAL, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if self.writable else 0))
-        except NotRegularFile:
-            self._count_not_regular(JOURNAL)
-            return  # never append through a link: its target is not ours
-        except OSError:
-            return  # recency is advice: a reader on a read-only directory just does not record it
-        try:
-            os.write(fd, name.encode() + b"\n")
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-        if self.writable:
-            self._journal_lines += 1
-            if self._journal_lines > max(1024, 4 * len(self._entries)):
-                self._ingest_journal()
+        """Record an access; the writer compacts the journal once it has grown well past its entries."""
+        if self._journal.append(name, create=self.writable) and self.writable:
+            if self._journal.lines > max(1024, 4 * len(self._index)):
+                self._journal.ingest(self._index.entries)
                 self._compact_journal()
 
     def _compact_journal(self) -> None:
-        tmp = self.dir / f"{TMP_PREFIX}journal-{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
-        try:
-            with _create_new(tmp) as f:
-                f.write(b"".join(n.encode() + b"\n" for n in self._entries))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / JOURNAL)  # replaces a link there, never its target
-        except OSError:
-            self._unlink(tmp)
-            return
-        with self._lock:
-            self._not_regular.discard(JOURNAL)
-        self._journal_pos = os.lstat(self.dir / JOURNAL).st_size
-        self._journal_lines = len(self._entries)
+        if self._journal.compact(self._index.entries):
+            with self._lock:
+                self._not_regular.discard(JOURNAL)  # a regular file there now: a later non-file is counted again
 
     # -- index --------------------------------------------------------------------------
 
-    def _add(self, name: str, size: int) -> None:
-        m = NAME.match(name)
-        self._entries[name] = _Entry(m.group(1), int(m.group(2)), m.group(3), size)
-        self._tracked += size
-
-    def _drop(self, name: str) -> None:
-        entry = self._entries.pop(name, None)
-        if entry is not None:
-            self._tracked -= entry.size
-
-    def _unlink(self, path: Path) -> bool:
-        """Remove the name `path` (a link itself, never its target); whether it is gone.
-        A directory, or a directory this store may not write, keeps it: never an exception."""
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
-        return True
-
     def tracked_bytes(self) -> int:
-        return self._tracked
+        return self._index.tracked
 
     def disk_bytes(self) -> int:
         """Bytes of the snapshot files on disk now (the journal and lock file are not counted)."""
@@ -458,8 +267,8 @@ class L2Store:
         """Stored file names, least recently used first."""
         with self._lock:
             if self.writable:
-                self._ingest_journal()
-            return list(self._entries)
+                self._journal.ingest(self._index.entries)
+            return list(self._index.entries)
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -478,17 +287,17 @@ class L2Store:
         with self._lock:
             self._count_failure(exc, name)
             if isinstance(exc, FileNotFoundError):
-                self._drop(name)
+                self._index.drop(name)
             elif self.writable:
-                if name in self._entries:
-                    self._drop(name)
+                if name in self._index:
+                    self._index.drop(name)
                     self._remove_failed(name, exc)
             else:
                 self._bad.add(name)
 
     def _remove_failed(self, name: str, exc: Exception) -> None:
         """Writer: remove a file that failed to load (a link itself, never its target)."""
-        if not self._unlink(self.dir / name):
+        if not unlink(self.dir / name):
             return
         if isinstance(exc, NotRegularFile):  # not a damaged file: counted in not_regular already
             self._not_regular.discard(name)  # gone: a new one under the name is counted again
@@ -498,7 +307,7 @@ class L2Store:
     def _load(self, name: str, identity: Identity) -> Snapshot | None:
         try:
             buf, digests = _read_file(self.dir / name)
-            snap = snapshot_file.decode(buf, identity, digests, _hash_pool())
+            snap = snapshot_file.decode(buf, identity, digests, hash_pool())
         except snapshot_file.IdentityMismatch:
             with self._lock:
                 self.stats.identity_rejects += 1
@@ -529,20 +338,20 @@ class L2Store:
 
     def _lookup(self, identity: Identity, prompt: bytes, usable) -> Snapshot | None:
         key16 = identity.key[:KEY_PREFIX]
-        with self._lock:
-            candidates = {}
-            for name, e in self._entries.items():
-                if e.key16 == key16 and 4 * e.length <= len(prompt) and name not in self._bad and usable(e.length):
-                    candidates.setdefault(e.length, []).append((name, e.token_hash))
+        with self._lock:  # a prompt holds 4 bytes a token
+            candidates = self._index.candidates(key16, len(prompt) // 4,
+                                                lambda name, length: name not in self._bad and usable(length))
         hashes = prefix_keys.prefix_hashes(identity.key, prompt, candidates) if candidates else {}
         for length in sorted(candidates, reverse=True):
             for name, hashed in candidates[length]:
-                if hashed != hashes[length] or not self._pin(name):
-                    continue
+                with self._lock:
+                    if hashed != hashes[length] or not self._index.pin(name):
+                        continue
                 try:
                     snap = self._load(name, identity)
                 finally:
-                    self._unpin(name)
+                    with self._lock:
+                        self._index.unpin(name)
                 if snap is None:
                     continue
                 if snap.tokens != prompt[: 4 * length]:
@@ -550,45 +359,22 @@ class L2Store:
                         self.stats.hash_collisions += 1
                     continue
                 with self._lock:
-                    if name in self._entries:
-                        self._entries.move_to_end(name)
+                    self._index.touch(name)
                 self._append_journal(name)
                 return snap
         return None
-
-    def _pin(self, name: str) -> bool:
-        with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
-                return False
-            entry.pins += 1
-            return True
-
-    def _unpin(self, name: str) -> None:
-        with self._lock:
-            entry = self._entries.get(name)
-            if entry is not None:
-                entry.pins -= 1
 
     # -- insert and evict ---------------------------------------------------------------
 
     def _make_room(self, size: int) -> bool:
         """Evict least recently used, unpinned entries until `size` more bytes fit."""
-        self._ingest_journal()
-        if self._tracked + size <= self.max_bytes:
-            return True
-        victims, freed = [], 0
-        for name, entry in self._entries.items():
-            if self._tracked - freed + size <= self.max_bytes:
-                break
-            if entry.pins == 0:
-                victims.append(name)
-                freed += entry.size
-        if self._tracked - freed + size > self.max_bytes:
+        self._journal.ingest(self._index.entries)
+        victims = self._index.victims(size, self.max_bytes)
+        if victims is None:
             return False
         for name in victims:
-            self._drop(name)
-            self._unlink(self.dir / name)
+            self._index.drop(name)
+            unlink(self.dir / name)
             self.stats.evictions += 1
         return True
 
@@ -600,8 +386,8 @@ class L2Store:
             return False
         name = file_name(snap)
         with self._lock:
-            if name in self._entries:
-                self._entries.move_to_end(name)
+            if name in self._index:
+                self._index.touch(name)
                 self._append_journal(name)
                 return True
         chunks, size = snapshot_file.encode(snap)
@@ -611,31 +397,31 @@ class L2Store:
             return False
         tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{TMP_SUFFIX}"
         try:
-            with _create_new(tmp) as f:
+            with create_new(tmp) as f:
                 _write_chunks(f, chunks)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError:
-            self._unlink(tmp)
+            unlink(tmp)
             with self._lock:
                 self.stats.write_errors += 1
             return False
         with self._lock:
-            if name in self._entries:  # another thread stored the same snapshot meanwhile
-                self._unlink(tmp)
+            if name in self._index:  # another thread stored the same snapshot meanwhile
+                unlink(tmp)
                 return True
             if not self._make_room(size):
-                self._unlink(tmp)
+                unlink(tmp)
                 self.stats.write_drops_pinned += 1
                 return False
             try:
                 os.replace(tmp, self.dir / name)
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
             except OSError:
-                self._unlink(tmp)
+                unlink(tmp)
                 self.stats.write_errors += 1
                 return False
-            self._add(name, size)
+            self._index.add(name, size)
             self.stats.writes += 1
             self.stats.bytes_in += size
             self._append_journal(name)
