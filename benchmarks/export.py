@@ -108,8 +108,8 @@ def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:
     from b12x_toolchain.exporter.pipeline.capture import capture
     from b12x_toolchain.exporter.pipeline.structural import fake_weights
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.runtime.rewrite import count_nodes, run_passes
-    from b12x_toolchain.passes.pipeline import build_pipeline
+    from b12x_toolchain.passes.pipeline import rewrites_named
+    from b12x_toolchain.runtime.rewrite import count_nodes, run_rewrites
 
     d = Dims.from_recipe(recipe)
     graph = capture(PASSES["verify"](d), fake_weights(d)).graph_module
@@ -118,7 +118,7 @@ def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:
     for _ in range(repeat):
         gm = copy.deepcopy(graph)
         started = time.process_time_ns()  # the pipeline is single-threaded Python: CPU time is its cost
-        records = run_passes(gm, build_pipeline(names), "verify")
+        records = run_rewrites(gm, rewrites_named(names), "verify")
         samples.append((time.process_time_ns() - started) / 1e6)
         matches = records[0].matches
     return statistics.median(samples), count_nodes(graph), matches

@@ -1,1 +1,1 @@
-"""b12x passes: the pass manager and graph rewrites on torch.fx graphs."""
+"""b12x passes: the graph rewrites a recipe may name, built on the runtime's rewrite kit."""

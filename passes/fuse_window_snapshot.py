@@ -9,9 +9,9 @@ fused op is not qualified for (history length, page layout) fails the export.
 
 from __future__ import annotations
 
-from b12x_toolchain.runtime.rewrite import PairRewrite
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.ops.qualify import check_fused_window
+from b12x_toolchain.runtime.rewrite import PairRewrite
 
 NAME = "fuse_window_snapshot"
 

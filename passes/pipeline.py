@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT
-from b12x_toolchain.runtime.rewrite import PassError
+from b12x_toolchain.runtime.rewrite import Rewrite, RewriteError
 
-REGISTRY = {FUSE_WINDOW_SNAPSHOT.name: FUSE_WINDOW_SNAPSHOT}  # passes keep no state: one instance serves all
+REWRITES = {FUSE_WINDOW_SNAPSHOT.name: FUSE_WINDOW_SNAPSHOT}  # rewrites keep no state: one instance serves all
 
 
-def build_pipeline(names: list[str]) -> list:
-    unknown = [n for n in names if n not in REGISTRY]
+def rewrites_named(names: list[str]) -> list[Rewrite]:
+    unknown = [n for n in names if n not in REWRITES]
     if unknown:
-        raise PassError(f"unknown pass {unknown[0]!r}; known passes: {sorted(REGISTRY)}")
-    return [REGISTRY[n] for n in names]
+        raise RewriteError(f"unknown rewrite {unknown[0]!r}; known rewrites: {sorted(REWRITES)}")
+    return [REWRITES[n] for n in names]

@@ -4,7 +4,7 @@ A full-size pass is a handful of layer kinds repeated forty times, and torch.exp
 for every op it traces (fake tensors, symbolic shapes, node metadata): that was most of a
 structural export. So during capture the first layer of a kind is traced between two
 markers, and each later layer of the kind is one stub op whose fake outputs take the
-template's shapes. After export, the stitch_layer_copies pass replaces each stub by a copy
+template's shapes. After export, the stitch_layer_copies rewrite replaces each stub by a copy
 of the template's nodes (stitch_layer_copies.py).
 """
 

@@ -27,10 +27,10 @@ from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.pipeline.trace_cache import trace_key, traced
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.views.pass_dump import PassDump
-from b12x_toolchain.runtime.rewrite import PassError, PassResult, run_passes
-from b12x_toolchain.passes.pipeline import build_pipeline
+from b12x_toolchain.passes.pipeline import rewrites_named
 from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.parallel.group import collective_counts
+from b12x_toolchain.runtime.rewrite import RewriteError, RewriteResult, run_rewrites
 
 
 def pass_label(name: str, rank: int | None) -> str:
@@ -42,7 +42,7 @@ def pass_label(name: str, rank: int | None) -> str:
 class PassJob:
     recipe: object
     name: str
-    pipeline: list[str]
+    rewrites: list[str]  # names of the rewrites to run, in order
     weights: dict | None  # None: structural (fake weights, made where the pass is captured)
     dump_dir: Path | None
     rank: int | None = None  # of a parallel recipe's ranks (None: one device)
@@ -56,7 +56,7 @@ class PassJob:
 class PassOutput:
     name: str
     graph: bytes
-    records: list[PassResult]
+    records: list[RewriteResult]
     inputs: list[BufferSpec]
     outputs: list[BufferSpec]
     seconds: float  # wall time: capture, rewrites, serialisation
@@ -86,11 +86,11 @@ def export_pass(job: PassJob) -> PassOutput:
         if dump is not None:
             dump.write(job.name, 0, "captured", program.graph_module, inputs, outputs)
         # One rewrite at a time, so the graph can be dumped after each.
-        for i, rewrite in enumerate(build_pipeline(job.pipeline), 1):
-            records += run_passes(program.graph_module, [rewrite], job.name)
+        for i, rewrite in enumerate(rewrites_named(job.rewrites), 1):
+            records += run_rewrites(program.graph_module, [rewrite], job.name)
             if dump is not None:
                 dump.write(job.name, i, rewrite.name, program.graph_module, inputs, outputs)
-    except PassError as exc:
+    except RewriteError as exc:
         raise ExportError(str(exc)) from exc
     graph = program_bytes(program)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

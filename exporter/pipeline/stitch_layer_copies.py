@@ -1,7 +1,7 @@
 """stitch_layer_copies: each layer stub becomes a copy of its template's nodes.
 
 Capture traces the first layer of a kind between two markers and stands one stub op in
-for every later layer of the kind (layer_copies.py). This pass copies the template's
+for every later layer of the kind (layer_copies.py). This rewrite copies the template's
 nodes in place of each stub, with the template's inputs (its streams, its own weights and
 caches, what earlier layers handed on) swapped for the stub's, and removes the markers.
 The result is the graph a direct capture gives, node for node (tests compare the two on
@@ -9,7 +9,7 @@ every recipe kind); its matches are the copies made.
 
 A template may read other nodes only where every layer reads the same value: pass-wide
 inputs and tables, and symbolic sizes. Anything else it reads must be among its inputs;
-the pass refuses a template that reaches into another layer's nodes or buffers.
+the rewrite refuses a template that reaches into another layer's nodes or buffers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from b12x_toolchain.exporter.pipeline.layer_copies import COPY, MARKERS
-from b12x_toolchain.runtime.rewrite import PassResult, RewritePass, named_args, run_passes
+from b12x_toolchain.runtime.rewrite import Rewrite, RewriteResult, named_args, run_rewrites
 from b12x_toolchain.runtime.rewrite.exported_names import output_names_follow_graph, rename_nodes
 
 BEGIN, END = MARKERS
@@ -136,7 +136,7 @@ def renumbered(graph: torch.fx.Graph) -> dict[str, str]:
     return renamed
 
 
-class StitchLayerCopies(RewritePass):
+class StitchLayerCopies(Rewrite):
     """Runs on an exported program's graph module; its signature's output names follow the graph."""
 
     name = "stitch_layer_copies"
@@ -161,7 +161,7 @@ class StitchLayerCopies(RewritePass):
         return len(layers.stubs)
 
 
-def stitch(program: torch.export.ExportedProgram, graph_name: str) -> PassResult:
-    """Run the pass over a captured program, through the kit (invariants checked after it)."""
-    (result,) = run_passes(program.graph_module, [StitchLayerCopies(program.graph_signature)], graph_name)
+def stitch(program: torch.export.ExportedProgram, graph_name: str) -> RewriteResult:
+    """Run the rewrite over a captured program, through the kit (invariants checked after it)."""
+    (result,) = run_rewrites(program.graph_module, [StitchLayerCopies(program.graph_signature)], graph_name)
     return result

@@ -35,6 +35,7 @@ from b12x_toolchain.exporter.recipe.parallel import ParallelSpec
 from b12x_toolchain.exporter.recipe.schema import V4ModelSpec, V41ModelSpec
 from b12x_toolchain.exporter.recipe.weights import WeightsSpec
 from b12x_toolchain.exporter.recipe.yaml_source import MAX_DOCUMENT_BYTES, Lines, YamlSourceError, load_yaml
+from b12x_toolchain.passes.pipeline import REWRITES
 from b12x_toolchain.runtime.formats.codecs import renamed
 from b12x_toolchain.runtime.ops.qualify import QUALIFIED_HISTORY, QUALIFIED_LAYOUTS, QUALIFIED_PAGE_SIZES
 
@@ -43,7 +44,7 @@ __all__ = [
     "bundled_fallback", "bundled_recipes", "load_recipe", "parse_recipe",
 ]
 
-KNOWN_REWRITES = ("fuse_window_snapshot",)
+KNOWN_REWRITES = tuple(REWRITES)  # from the registry: a recipe names exactly the rewrites there are
 PASS_NAMES = ("prefill", "verify", "draft", "commit")  # every recipe has these
 OPTIONAL_PASSES = ("decode",)  # and may add these
 FAMILIES = ("deepseek_v41", "deepseek_v4")

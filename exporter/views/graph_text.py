@@ -15,8 +15,8 @@ import torch
 import torch.fx
 
 from b12x_toolchain.exporter.pipeline.capture import group_inputs
-from b12x_toolchain.runtime.rewrite.dependency import tensor_args
 from b12x_toolchain.runtime.package.abi import BufferSpec
+from b12x_toolchain.runtime.rewrite.dependency import tensor_args
 
 SYMBOL = re.compile(r"\bs\d+\b")
 

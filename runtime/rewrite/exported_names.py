@@ -1,9 +1,9 @@
 """Renaming the nodes of an exported program's graph.
 
-Node names are package bytes, so a pass that copies nodes may have to name them as one
+Node names are package bytes, so a rewrite that copies nodes may have to name them as one
 trace would have. FX keeps the names it has handed out in a namespace of its own, and has
 no public way to rename many nodes at once: `rename_nodes` is the one place that rebuilds
-it, so that a node a later pass creates never takes a name a renamed node already has.
+it, so that a node a later rewrite creates never takes a name a renamed node already has.
 An exported program names its outputs in its signature as well; those follow the output
 node (`output_names_follow_graph`) rather than being patched one rename at a time.
 """

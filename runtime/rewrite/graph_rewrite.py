@@ -1,9 +1,9 @@
-"""A rewrite pass and the result it returns, in the manner of torch.fx's PassResult.
+"""A graph rewrite and the result it returns, in the manner of torch.fx's pass result.
 
-A pass keeps no state between runs: `rewrite` changes the graph in place and returns how
-many matches it rewrote, and calling the pass returns that count with the node counts
-around it. The result is what the manifest records and what a recipe's expected match
-count is checked against.
+A rewrite keeps no state between runs: `rewrite` changes the graph in place and returns
+how many matches it rewrote, and calling the rewrite returns that count with the node
+counts around it. The result is what the manifest records and what a recipe's expected
+match count is checked against.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.fx
 
 
 @dataclass(frozen=True)
-class PassResult:
+class RewriteResult:
     name: str
     changed: bool
     matches: int
@@ -29,7 +29,7 @@ def count_nodes(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
-class RewritePass:
+class Rewrite:
     """Subclasses set `name` and implement `rewrite`."""
 
     name: str
@@ -37,9 +37,10 @@ class RewritePass:
     def rewrite(self, gm: torch.fx.GraphModule) -> int:
         raise NotImplementedError
 
-    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+    def __call__(self, gm: torch.fx.GraphModule) -> RewriteResult:
         nodes_before = count_nodes(gm)
         matches = self.rewrite(gm)
         nodes_after = count_nodes(gm)
         # A rewrite that only removes nodes (layer markers) changes the graph without a match.
-        return PassResult(self.name, matches > 0 or nodes_after != nodes_before, matches, nodes_before, nodes_after)
+        changed = matches > 0 or nodes_after != nodes_before
+        return RewriteResult(self.name, changed, matches, nodes_before, nodes_after)

@@ -1,4 +1,4 @@
-"""Graph invariants checked after every pass.
+"""Graph invariants checked after every rewrite.
 
 A rewrite may change how a pass computes, never what a server binds: the placeholders
 (the calling convention) and the outputs stay the same, every `b12x` op is in the op set,
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from b12x_toolchain.runtime.rewrite.dependency import tensor_args
 from b12x_toolchain.runtime.ops.opset import NAMESPACE, OPS, OPSET_VERSION
+from b12x_toolchain.runtime.rewrite.dependency import tensor_args
 
 KNOWN_OPS = set(OPS.values())
 

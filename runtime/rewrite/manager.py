@@ -1,32 +1,32 @@
-"""Run passes over a graph, checking invariants after each one.
+"""Run rewrites over a graph, checking invariants after each one.
 
-A pass is a callable taking a GraphModule, changing it in place and returning its
-PassResult (a RewritePass). A failure — an exception or a broken invariant — names the
-pass and the graph it ran on.
+A rewrite is a callable taking a GraphModule, changing it in place and returning its
+RewriteResult (a `Rewrite`). A failure — an exception or a broken invariant — names the
+rewrite and the graph it ran on.
 """
 
 from __future__ import annotations
 
 import torch.fx
 
+from b12x_toolchain.runtime.rewrite.graph_rewrite import RewriteResult
 from b12x_toolchain.runtime.rewrite.invariants import check_invariants, signature
-from b12x_toolchain.runtime.rewrite.rewrite_pass import PassResult
 
 
-class PassError(RuntimeError):
+class RewriteError(RuntimeError):
     pass
 
 
-def run_passes(gm: torch.fx.GraphModule, passes: list, graph_name: str) -> list[PassResult]:
+def run_rewrites(gm: torch.fx.GraphModule, rewrites: list, graph_name: str) -> list[RewriteResult]:
     results = []
-    for rewrite in passes:
+    for rewrite in rewrites:
         before = signature(gm.graph)
         try:
             result = rewrite(gm)
         except Exception as exc:
-            raise PassError(f"pass {rewrite.name} failed on the {graph_name} graph: {exc}") from exc
+            raise RewriteError(f"rewrite {rewrite.name} failed on the {graph_name} graph: {exc}") from exc
         problems = check_invariants(gm, before)
         if problems:
-            raise PassError(f"pass {rewrite.name} broke the {graph_name} graph: " + "; ".join(problems))
+            raise RewriteError(f"rewrite {rewrite.name} broke the {graph_name} graph: " + "; ".join(problems))
         results.append(result)
     return results

@@ -2,7 +2,7 @@
 
 A `Rule` names the op it applies to, a condition on the node's arguments (by schema name)
 and what becomes of the node: another target taking the same arguments (`to`), or a
-function that edits the node in place (`edit`). A `NodeRewrite` is a pass applying its
+function that edits the node in place (`edit`). A `NodeRewrite` is a rewrite applying its
 rules to every node of their ops whose condition holds; its matches are the nodes it
 rewrote.
 """
@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.fx
 
-from b12x_toolchain.runtime.rewrite.rewrite_pass import RewritePass
+from b12x_toolchain.runtime.rewrite.graph_rewrite import Rewrite
 from b12x_toolchain.runtime.rewrite.schema_args import named_args
 
 
@@ -35,7 +35,7 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class NodeRewrite(RewritePass):
+class NodeRewrite(Rewrite):
     name: str
     rules: tuple[Rule, ...]
 

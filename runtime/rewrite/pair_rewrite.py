@@ -1,6 +1,6 @@
 """Fuse two effectful ops into one, described as data.
 
-A `PairRewrite` is a pass: it names the first and second op, which arguments must be the
+A `PairRewrite` is a rewrite: it names the first and second op, which arguments must be the
 same node or constant for the pair to match, and where each of the fused op's arguments
 (by schema name) is taken from.
 The fused node replaces the second op in program order; that is legal only when nothing
@@ -16,12 +16,12 @@ from typing import Callable
 import torch.fx
 
 from b12x_toolchain.runtime.rewrite.dependency import dependency_graph, order
-from b12x_toolchain.runtime.rewrite.rewrite_pass import RewritePass
+from b12x_toolchain.runtime.rewrite.graph_rewrite import Rewrite
 from b12x_toolchain.runtime.rewrite.schema_args import named_args
 
 
 @dataclass(frozen=True)
-class PairRewrite(RewritePass):
+class PairRewrite(Rewrite):
     name: str
     first: object  # OpOverload
     second: object

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from b12x_toolchain.runtime.rewrite import PassResult
+    from b12x_toolchain.runtime.rewrite import RewriteResult
 
 CACHE_ENV = "B12X_COMPILE_CACHE"  # root of the local compile cache (default ~/.cache/b12x/compiled)
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"  # where Inductor reads and writes its caches
@@ -98,15 +98,15 @@ class CompiledGraph:
         return self._compiled(*args)
 
 
-def lower_for_inductor(graph: torch.fx.GraphModule) -> list[PassResult]:
+def lower_for_inductor(graph: torch.fx.GraphModule) -> list[RewriteResult]:
     """Open the op set's elementwise work to Inductor: pure ops become calls of their
     references (reference_ops.py) and each cache write that encodes becomes the encoding plus
     a byte copy (split_encoding_writes.py). The ops that scatter or select by data stay
-    themselves. Returns each pass's result."""
-    # Imported here: the pass kit imports networkx, which a session that compiles nothing
+    themselves. Returns each rewrite's result."""
+    # Imported here: the rewrite kit imports networkx, which a session that compiles nothing
     # would otherwise import before its first token.
-    from b12x_toolchain.runtime.rewrite import run_passes
+    from b12x_toolchain.runtime.rewrite import run_rewrites
     from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
     from b12x_toolchain.runtime.session.split_encoding_writes import SPLIT_ENCODING_WRITES
 
-    return run_passes(graph, [INLINE_REFERENCES, SPLIT_ENCODING_WRITES], "compiled replay")
+    return run_rewrites(graph, [INLINE_REFERENCES, SPLIT_ENCODING_WRITES], "compiled replay")

@@ -8,10 +8,10 @@ reference step by step. As calls of the references Inductor traces and fuses the
 
 from __future__ import annotations
 
-from b12x_toolchain.runtime.rewrite import NodeRewrite, Rule
 from b12x_toolchain.runtime.ops import opset, sparse_ops
 from b12x_toolchain.runtime.ops.mhc_ops import sinkhorn_unfused
 from b12x_toolchain.runtime.ops.opset import ops
+from b12x_toolchain.runtime.rewrite import NodeRewrite, Rule
 
 
 def static_attention(args: dict) -> bool:

@@ -20,16 +20,17 @@ def graph_on(program, device) -> torch.fx.GraphModule:
     device = torch.device(device)
     if device.type == "cpu":
         return program.graph_module
+    # Imported here: the rewrite kit imports networkx, which a CPU session never needs.
+    from b12x_toolchain.runtime.rewrite import named_args, replace_args
+
     module = copy.deepcopy(program.graph_module)
     for sub in module.modules():
         if not isinstance(sub, torch.fx.GraphModule):
             continue
         for node in sub.graph.nodes:
-            if node.op != "call_function":
-                continue
-            if "device" in node.kwargs:
-                node.kwargs = {**node.kwargs, "device": device}
-            if node.target is torch.ops.aten.to.device:
-                node.args = (node.args[0], device, *node.args[2:])
+            # The device argument by its schema name, wherever the op takes it: a keyword of
+            # `arange` and `_assert_tensor_metadata`, the second argument of `to.device`.
+            if node.op == "call_function" and hasattr(node.target, "_schema") and "device" in named_args(node):
+                replace_args(node, device=device)
         sub.recompile()
     return module

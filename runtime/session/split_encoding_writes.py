@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from b12x_toolchain.runtime.rewrite import NodeRewrite, Rule, replace_args
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.opset import RAW_BYTES, ops
+from b12x_toolchain.runtime.rewrite import NodeRewrite, Rule, replace_args
 
 
 def encode_rows(values: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -22,8 +22,8 @@ from b12x_toolchain.exporter.pipeline.package_writer import program_bytes
 from b12x_toolchain.exporter.pipeline.stitch_layer_copies import StitchError, stitch
 from b12x_toolchain.exporter.pipeline.structural import fake_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import parse_recipe
-from b12x_toolchain.runtime.rewrite import PassError, PassResult, count_nodes
+from b12x_toolchain.exporter.recipe.variants import recipe_from_dict
+from b12x_toolchain.runtime.rewrite import RewriteError, RewriteResult, count_nodes
 
 pytestmark = pytest.mark.slow(minutes=0.6)
 
@@ -91,11 +91,11 @@ def test_toy_stack_traces_each_kind_once_and_stitches_to_the_direct_graph():
     assert before.count(torch.ops.aten.tanh.default) == 2
     direct = _export_stack(Stack(), copy_layers=False)  # the graph expected after stitching
     nodes_before, nodes_expected = count_nodes(program.graph_module), count_nodes(direct.graph_module)
-    assert stitch(program, "toy") == PassResult("stitch_layer_copies", True, 2, nodes_before, nodes_expected)
+    assert stitch(program, "toy") == RewriteResult("stitch_layer_copies", True, 2, nodes_before, nodes_expected)
     after = [n.target for n in program.graph.nodes]
     assert not {*MARKERS, COPY} & set(after)
     assert after.count(torch.ops.aten.tanh.default) == 4 and after.count(torch.ops.aten.copy_.default) == 4
-    assert stitch(direct, "toy") == PassResult("stitch_layer_copies", False, 0, nodes_expected, nodes_expected)
+    assert stitch(direct, "toy") == RewriteResult("stitch_layer_copies", False, 0, nodes_expected, nodes_expected)
     assert canonical(program.graph_module) == canonical(direct.graph_module)
     assert program_bytes(program) == program_bytes(direct)
     # Numbers: the stitched program against the module itself, outputs and every cache written.
@@ -110,8 +110,8 @@ def test_toy_stack_traces_each_kind_once_and_stitches_to_the_direct_graph():
 
 def test_stitch_refuses_a_template_that_reads_another_layers_nodes():
     program = _export_stack(Stack(leak=True), copy_layers=True)
-    with pytest.raises(PassError, match=r"pass stitch_layer_copies failed on the toy graph: layer template 1: "
-                                        r"node \w+ reads \w+, which belongs to another layer") as info:
+    with pytest.raises(RewriteError, match=r"rewrite stitch_layer_copies failed on the toy graph: layer template 1: "
+                                           r"node \w+ reads \w+, which belongs to another layer") as info:
         stitch(program, "toy")
     assert isinstance(info.value.__cause__, StitchError)
 
@@ -126,7 +126,7 @@ def repeated():
     model["csa2"].update(kv_source_layer_ids=[3, 6], index_source_layer_ids=[3, 6, 8], candidate_source_layer_id=6)
     model["draft"]["target_layer_ids"] = [7, 8, 10]
     data.update(name="dsv41-repeated", model=model)
-    return Dims.from_recipe(parse_recipe(yaml.safe_dump(data).encode(), "dsv41-repeated.yaml"))
+    return Dims.from_recipe(recipe_from_dict(data))
 
 
 @pytest.mark.parametrize("name, copies", [("prefill", 14), ("verify", 14), ("draft", 2)])

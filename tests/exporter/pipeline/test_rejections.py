@@ -9,11 +9,11 @@ import torch
 
 from b12x_toolchain.exporter.pipeline.export import ExportError, export_package
 from b12x_toolchain.exporter.recipe.loader import RecipeError
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.ops.qualify import UnsupportedConfiguration
 from b12x_toolchain.runtime.session.validate import BufferError
-from conftest import recipe_variant
 
 pytestmark = pytest.mark.slow(minutes=0.7)
 
@@ -32,20 +32,20 @@ def test_recipe_refuses_unqualified_fusion_at_its_key(small_recipe, changes, key
         recipe_variant(small_recipe, changes)
 
 
-def test_fusion_pass_refuses_unqualified_sites_itself(small_recipe):
-    """Defence in depth: a graph reaching the pass with an unqualified site still fails export."""
+def test_fusion_rewrite_refuses_unqualified_sites_itself(small_recipe):
+    """Defence in depth: a graph reaching the rewrite with an unqualified site still fails export."""
     from b12x_toolchain.exporter.model.pass_modules import VerifyPass
     from b12x_toolchain.exporter.model.weights import init_weights
     from b12x_toolchain.exporter.pipeline.capture import capture
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.runtime.rewrite import PassError, run_passes
-    from b12x_toolchain.passes.pipeline import build_pipeline
+    from b12x_toolchain.passes.pipeline import rewrites_named
+    from b12x_toolchain.runtime.rewrite import RewriteError, run_rewrites
 
     recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
     dims = Dims.from_recipe(recipe)
     program = capture(VerifyPass(dims), init_weights(dims, 0))
-    with pytest.raises(PassError, match=r"pass fuse_window_snapshot failed on the verify graph: .*history length 64"):
-        run_passes(program.graph_module, build_pipeline(["fuse_window_snapshot"]), "verify")
+    with pytest.raises(RewriteError, match=r"rewrite fuse_window_snapshot failed on the verify graph: .*history length 64"):
+        run_rewrites(program.graph_module, rewrites_named(["fuse_window_snapshot"]), "verify")
 
 
 def test_recipe_refuses_impossible_match_counts(small_recipe):

@@ -17,7 +17,7 @@ from b12x_toolchain.exporter.pipeline.pass_export import PassJob, export_pass
 from b12x_toolchain.exporter.recipe.dims import Dims
 
 pytestmark = pytest.mark.slow(minutes=0.2)
-PIPELINE = ["fuse_window_snapshot"]
+REWRITES = ["fuse_window_snapshot"]
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def reusing():
     trace_cache.reuse_traces(saved)
 
 
-def _job(recipe, name, pipeline=PIPELINE, weights=None):
-    return PassJob(recipe, name, pipeline, weights, None)
+def _job(recipe, name, rewrites=REWRITES, weights=None):
+    return PassJob(recipe, name, rewrites, weights, None)
 
 
 def _counted(job):

@@ -11,7 +11,6 @@ import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.runtime.rewrite.dependency import dependency_graph, order, tensor_args
-
 from passes.layer_graphs import (
     DIM,
     FMT,

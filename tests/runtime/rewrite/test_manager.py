@@ -1,4 +1,4 @@
-"""The kit's pass manager: pass results, invariant checks after every pass, and error naming."""
+"""The kit's rewrite manager: rewrite results, invariant checks after every rewrite, and error naming."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import torch
 
 import b12x_toolchain.runtime.ops.opset  # noqa: F401  (registers the b12x op set)
 from b12x_toolchain.passes.fuse_window_snapshot import FUSE_WINDOW_SNAPSHOT
-from b12x_toolchain.runtime.rewrite import PassError, PassResult, RewritePass, run_passes
+from b12x_toolchain.passes.pipeline import rewrites_named
+from b12x_toolchain.runtime.rewrite import Rewrite, RewriteError, RewriteResult, run_rewrites
 from b12x_toolchain.runtime.rewrite.invariants import check_invariants, signature
-from b12x_toolchain.passes.pipeline import build_pipeline
-
 from passes.layer_graphs import (
     DIM,
     FMT,
@@ -59,24 +58,24 @@ def find(gm: torch.fx.GraphModule, op: str, target=None) -> torch.fx.Node:
 
 def test_results_count_nodes_and_matches():
     gm = layer_graph()
-    results = run_passes(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
+    results = run_rewrites(gm, rewrites_named(["fuse_window_snapshot"]), GRAPH)
     # call_function nodes only: snapshot, append, two reads -> fused op, two reads.
-    assert results == [PassResult("fuse_window_snapshot", True, 1, 4, 3)]
+    assert results == [RewriteResult("fuse_window_snapshot", True, 1, 4, 3)]
     assert results[0].to_json() == {"matches": 1, "nodes_before": 4, "nodes_after": 3}
 
     # A second run finds nothing left to fuse and says so.
-    again = run_passes(gm, build_pipeline(["fuse_window_snapshot"]), GRAPH)
-    assert again == [PassResult("fuse_window_snapshot", False, 0, 3, 3)]
+    again = run_rewrites(gm, rewrites_named(["fuse_window_snapshot"]), GRAPH)
+    assert again == [RewriteResult("fuse_window_snapshot", False, 0, 3, 3)]
 
 
-class Noop(RewritePass):
+class Noop(Rewrite):
     name = "noop"
 
     def rewrite(self, gm):
         return 0
 
 
-class EraseOneRead(RewritePass):
+class EraseOneRead(Rewrite):
     """Removes a node without counting a match: a change all the same."""
 
     name = "erase_one_read"
@@ -88,8 +87,8 @@ class EraseOneRead(RewritePass):
         return 0
 
 
-def test_results_of_passes_without_matches():
-    results = run_passes(layer_graph(), [Noop(), FUSE_WINDOW_SNAPSHOT, EraseOneRead()], GRAPH)
+def test_results_of_rewrites_without_matches():
+    results = run_rewrites(layer_graph(), [Noop(), FUSE_WINDOW_SNAPSHOT, EraseOneRead()], GRAPH)
     assert [(r.name, r.changed, r.matches, r.nodes_before, r.nodes_after) for r in results] == [
         ("noop", False, 0, 4, 4),
         ("fuse_window_snapshot", True, 1, 4, 3),
@@ -97,28 +96,28 @@ def test_results_of_passes_without_matches():
     ]
 
 
-def test_a_pass_keeps_no_state_between_graphs():
+def test_a_rewrite_keeps_no_state_between_graphs():
     # The same instance on two graphs: each result is its own graph's.
     fused, untouched = layer_graph(), layer_graph()
     FUSE_WINDOW_SNAPSHOT(fused)
-    assert FUSE_WINDOW_SNAPSHOT(fused) == PassResult("fuse_window_snapshot", False, 0, 3, 3)
-    assert FUSE_WINDOW_SNAPSHOT(untouched) == PassResult("fuse_window_snapshot", True, 1, 4, 3)
+    assert FUSE_WINDOW_SNAPSHOT(fused) == RewriteResult("fuse_window_snapshot", False, 0, 3, 3)
+    assert FUSE_WINDOW_SNAPSHOT(untouched) == RewriteResult("fuse_window_snapshot", True, 1, 4, 3)
 
 
-def test_build_pipeline():
-    assert build_pipeline(["fuse_window_snapshot"]) == [FUSE_WINDOW_SNAPSHOT]
-    assert build_pipeline([]) == []
+def test_rewrites_named():
+    assert rewrites_named(["fuse_window_snapshot"]) == [FUSE_WINDOW_SNAPSHOT]
+    assert rewrites_named([]) == []
 
 
-def test_build_pipeline_unknown_name():
-    with pytest.raises(PassError) as info:
-        build_pipeline(["fuse_window_snapshot", "nope"])
+def test_rewrites_named_unknown_name():
+    with pytest.raises(RewriteError) as info:
+        rewrites_named(["fuse_window_snapshot", "nope"])
     message = str(info.value)
     assert "'nope'" in message
-    assert "known passes" in message and "fuse_window_snapshot" in message
+    assert "known rewrites" in message and "fuse_window_snapshot" in message
 
 
-# ----------------------------------------------------------------------------- broken passes
+# ----------------------------------------------------------------------------- broken rewrites
 
 
 def erase_read_still_returned(gm):
@@ -153,7 +152,7 @@ def add_op_outside_the_opset(gm):
 
 
 BROKEN = {
-    # pass body: what the failure message must say about it
+    # rewrite body: what the failure message must say about it
     "erase_read_still_returned": (erase_read_still_returned, "graph lint failed"),
     "mutate_a_temporary": (mutate_a_temporary, "mutates clone_default, which is not a graph input"),
     "rename_placeholder": (rename_placeholder, "calling convention changed"),
@@ -163,34 +162,34 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
-def test_broken_pass_is_named(case):
+def test_broken_rewrite_is_named(case):
     body, problem = BROKEN[case]
 
-    class BreakGraph(RewritePass):
+    class BreakGraph(Rewrite):
         name = "break_graph"
 
         def rewrite(self, gm):
             body(gm)
             return 1
 
-    with pytest.raises(PassError) as info:
-        run_passes(layer_graph(), [FUSE_WINDOW_SNAPSHOT, BreakGraph()], GRAPH)
+    with pytest.raises(RewriteError) as info:
+        run_rewrites(layer_graph(), [FUSE_WINDOW_SNAPSHOT, BreakGraph()], GRAPH)
     message = str(info.value)
     assert "break_graph" in message
     assert f"{GRAPH} graph" in message
     assert problem in message
-    assert "fuse_window_snapshot" not in message  # the pass before it did nothing wrong
+    assert "fuse_window_snapshot" not in message  # the rewrite before it did nothing wrong
 
 
-def test_raising_pass_is_named():
-    class Explode(RewritePass):
+def test_raising_rewrite_is_named():
+    class Explode(Rewrite):
         name = "explode"
 
         def rewrite(self, gm):
             raise ValueError("boom")
 
-    with pytest.raises(PassError) as info:
-        run_passes(layer_graph(), [Explode()], GRAPH)
+    with pytest.raises(RewriteError) as info:
+        run_rewrites(layer_graph(), [Explode()], GRAPH)
     message = str(info.value)
     assert "explode" in message and f"{GRAPH} graph" in message and "boom" in message
     assert isinstance(info.value.__cause__, ValueError)

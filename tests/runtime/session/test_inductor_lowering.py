@@ -16,9 +16,9 @@ import copy
 import pytest
 import torch
 
-from b12x_toolchain.runtime.rewrite import PassResult, named_args
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.ops.opset import RAW_BYTES, gather_rows, ops, round_trip, window_read
+from b12x_toolchain.runtime.rewrite import RewriteResult, named_args
 from b12x_toolchain.runtime.session.compiled import lower_for_inductor
 from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
 from b12x_toolchain.runtime.session.split_encoding_writes import encode_rows
@@ -80,8 +80,8 @@ def traced(module: torch.nn.Module) -> torch.fx.GraphModule:
 def test_the_lowering_gives_the_expected_graph():
     gm = export(Layer(), *layer_inputs())
     results = lower_for_inductor(gm)
-    assert results == [PassResult("inline_references", True, 3, 5, 5),
-                       PassResult("split_encoding_writes", True, 1, 5, 6)]
+    assert results == [RewriteResult("inline_references", True, 3, 5, 5),
+                       RewriteResult("split_encoding_writes", True, 1, 5, 6)]
     assert structure(gm) == structure(traced(LayerLowered()))
 
 
