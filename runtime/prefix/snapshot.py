@@ -310,5 +310,4 @@ class SnapshotCodec:
         for name, kind in self.layout.items():
             if kind.kind == "ring":
                 session.caches[name][slot, : kind.rows(snap.length)].copy_(snap.caches[name])
-        session.caches[self.seq_len][slot] = snap.length
-        session.seq_lens[slot] = snap.length
+        session.set_committed_length(slot, snap.length)

@@ -361,9 +361,14 @@ class Session:
         its pages go back to their pools; pages reserved for the slot stay reserved."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is out of range [0, {self.slots})")
-        self.seq_lens[slot] = 0
-        self.caches[self.seq_len_buffer][slot] = 0
+        self.set_committed_length(slot, 0)
         self.pages.release_slot(slot)
+
+    def set_committed_length(self, slot: int, length: int) -> None:
+        """The one writer of a slot's committed length outside the graphs (a reset, a restored
+        snapshot): the seq_len cache the graphs read and its host mirror, together."""
+        self.caches[self.seq_len_buffer][slot] = length
+        self.seq_lens[slot] = length
 
     def retire_slot(self, slot: int) -> None:
         """reset_slot, and return the slot's reserved pages too: nobody is waiting to use them."""
