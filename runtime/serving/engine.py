@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from b12x_toolchain.runtime.serving.executor import Executor
 from b12x_toolchain.runtime.serving.requests import Request, RequestState
-from b12x_toolchain.runtime.serving.scheduler import Sampling, Scheduler, check_rows, check_slots  # noqa: F401
+from b12x_toolchain.runtime.serving.scheduler import Sampling, Scheduler, check_slots
 from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
 
 DECODE_PASSES = ("draft", "verify", "commit")

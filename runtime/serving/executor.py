@@ -20,7 +20,7 @@ from b12x_toolchain.runtime.serving.drafts import Drafts, device_drafts
 from b12x_toolchain.runtime.serving.logprobs import token_logprobs
 from b12x_toolchain.runtime.serving.requests import RequestState
 from b12x_toolchain.runtime.serving.sampling import accept_greedy, accept_sampled, draw, probabilities, top_two_gap
-from b12x_toolchain.runtime.serving.scheduler import check_rows, restores
+from b12x_toolchain.runtime.serving.scheduler import check_slot_ids, restores
 from b12x_toolchain.runtime.serving.stats import StepStats
 from b12x_toolchain.runtime.session.transfers import download, to_device
 
@@ -165,7 +165,7 @@ class Executor:
         if self.decode_pass:
             return self.decode_one(rows, stats)
         slots, positions = [r.slot for r in rows], [r.length for r in rows]
-        check_rows(slots, self.slots)
+        check_slot_ids(slots, self.slots)
         drafts = self._drafts(rows, stats)
         # A block ended early (low draft confidence) is padded; acceptance stops at its end.
         logits = self._replay("verify", stats, token_ids=drafts.block, slot_ids=slots, positions=positions)["logits"]
@@ -204,7 +204,7 @@ class Executor:
     def decode_one(self, rows: list[RequestState], stats: StepStats) -> None:
         """One token per row through decode (or prefill), which writes the pending token's rows directly."""
         slots = [r.slot for r in rows]
-        check_rows(slots, self.slots)
+        check_slot_ids(slots, self.slots)
         name = self.decode_pass or "prefill"
         width = self.session.package.passes[name].width
         out = self._replay(name, stats, token_ids=[[r.pending] + [0] * (width - 1) for r in rows],

@@ -223,19 +223,19 @@ def check_slots(session, slots: Iterable[int] | None) -> list[int]:
                              f"requests get slots in [0, {session.slots})")
         if not 0 <= slot < session.slots:
             raise ValueError(f"slot {slot} is out of range; the session has slots [0, {session.slots})")
-    check_rows(slots, slots)
+    check_slot_ids(slots, slots)
     return slots
 
 
-def check_rows(row_ids: list[int], allowed: list[int]) -> None:
-    """A group's row ids, checked before its first replay so a step runs all its passes or none."""
+def check_slot_ids(slot_ids: list[int], allowed: list[int]) -> None:
+    """A group's slot ids, checked before its first replay so a step runs all its passes or none."""
     seen = set()
-    for row in row_ids:
-        if row in seen:
-            raise ValueError(f"row id {row} appears twice in {row_ids}; each row needs its own slot")
-        if row not in allowed:
-            raise ValueError(f"row id {row} is not one of this engine's slots {sorted(allowed)}")
-        seen.add(row)
+    for slot in slot_ids:
+        if slot in seen:
+            raise ValueError(f"slot id {slot} appears twice in {slot_ids}; each row needs its own slot")
+        if slot not in allowed:
+            raise ValueError(f"slot id {slot} is not one of this engine's slots {sorted(allowed)}")
+        seen.add(slot)
 
 
 def restores(cache, request: RequestState) -> bool:

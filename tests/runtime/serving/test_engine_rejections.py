@@ -1,4 +1,4 @@
-"""Bad requests, slots and row ids are refused with clear errors before any replay."""
+"""Bad requests, slots and slot ids are refused with clear errors before any replay."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_request_ids_stay_unique_across_submissions(counted):
 @pytest.mark.parametrize("slots, message", [
     ([0, 5], r"slot 5 is out of range; the session has slots \[0, 2\)"),
     ([-1], r"slot -1 is out of range"),
-    ([1, 0, 1], r"row id 1 appears twice in \[1, 0, 1\]; each row needs its own slot"),
+    ([1, 0, 1], r"slot id 1 appears twice in \[1, 0, 1\]; each row needs its own slot"),
     ([2], r"slot 2 is the session's scratch slot, which padding rows use; requests get slots in \[0, 2\)"),
     ([], r"slots is empty"),
 ])
