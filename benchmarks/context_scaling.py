@@ -28,12 +28,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 from b12x_toolchain.exporter.model.weights import init_weights, weight_shapes
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load, read_manifest
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.opset import ops  # noqa: F401  (registers torch.ops.b12x_toolchain)
@@ -60,11 +60,9 @@ def size_label(n: int) -> str:
 
 
 def variant(base, max_seq_len: int):
-    """`base` with model.max_seq_len replaced (and its name suffixed), parsed like a user's YAML."""
-    data = base.normalized()
-    data["model"]["max_seq_len"] = max_seq_len
-    data["name"] = f"{base.name}-{size_label(max_seq_len).lower()}"  # names are lower case
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+    """`base` with model.max_seq_len replaced and its name suffixed."""
+    name = f"{base.name}-{size_label(max_seq_len).lower()}"  # names are lower case
+    return recipe_variant(base, {"model.max_seq_len": max_seq_len}, name=name)
 
 
 def shared_weights(recipes) -> dict[str, torch.Tensor]:

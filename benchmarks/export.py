@@ -26,8 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from benchmarks.registry import Measurement, Settings, benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,16 +88,16 @@ def structural_export(settings: Settings) -> list:
 
 def _layers_variant(recipe, layers: int):
     """The recipe with `layers` target layers, alternating window-only and ratio-2."""
-    from b12x_toolchain.exporter.recipe.loader import parse_recipe
+    from b12x_toolchain.exporter.recipe.variants import recipe_variant
 
-    data = copy.deepcopy(recipe.normalized())
-    model = data["model"]
-    model["num_layers"] = layers
-    model["compress_ratios"] = [0, 2] * (layers // 2) + [0] * model["draft"]["stages"]
-    model["draft"]["target_layer_ids"] = [layers - 1]
-    data["rewrites"][0]["expect_matches"].update(verify=layers, draft=model["draft"]["stages"])
-    data["name"] = f"scaling-{layers}"
-    return parse_recipe(yaml.safe_dump(data), file=f"scaling-{layers}.yaml")
+    stages = recipe.model.draft.stages
+    return recipe_variant(recipe, {
+        "model.num_layers": layers,
+        "model.compress_ratios": [0, 2] * (layers // 2) + [0] * stages,
+        "model.draft.target_layer_ids": [layers - 1],
+        "rewrites.0.expect_matches.verify": layers,
+        "rewrites.0.expect_matches.draft": stages,
+    }, name=f"scaling-{layers}")
 
 
 def _pipeline_ms(recipe, repeat: int) -> tuple[float, int, int]:

@@ -29,16 +29,15 @@ TARGET_SECONDS = 60.0  # per rank: the one-device target, times the ranks
 
 # Run in a child process: exports dsv41 at MAPPING structurally and prints what it measured as JSON.
 EXPORT_SCRIPT = """
-import json, resource, sys, tempfile, time, yaml
+import json, resource, sys, tempfile, time
 from pathlib import Path
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime.package.reader import read_manifest
 if __name__ == "__main__":
     mapping, jobs = json.loads(sys.argv[1]), int(sys.argv[2])
-    data = load_recipe("dsv41").normalized()
-    data["parallel"], data["name"] = mapping, "dsv41-parallel"
-    recipe = parse_recipe(yaml.safe_dump(data), "dsv41-parallel.yaml")
+    recipe = recipe_variant(load_recipe("dsv41"), {"parallel": mapping}, name="dsv41-parallel")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = export_package(recipe, Path(tmp), structural=True, jobs=jobs)
@@ -60,13 +59,10 @@ def _export(mapping: dict, jobs: int) -> dict:
 
 
 def _recipe(mapping: dict):
-    import yaml
+    from b12x_toolchain.exporter.recipe.loader import load_recipe
+    from b12x_toolchain.exporter.recipe.variants import recipe_variant
 
-    from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
-
-    data = load_recipe("dsv41").normalized()
-    data["parallel"] = mapping
-    return parse_recipe(yaml.safe_dump(data), "dsv41-parallel.yaml")
+    return recipe_variant(load_recipe("dsv41"), {"parallel": mapping})
 
 
 @benchmark("export.parallel")

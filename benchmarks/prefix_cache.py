@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from b12x_toolchain.runtime.prefix.keys import Identity, token_bytes, token_hash
@@ -44,10 +44,7 @@ SEED = 0
 
 
 def long_recipe():
-    data = load_recipe(RECIPE).normalized()
-    data["model"]["max_seq_len"] = MAX_SEQ_LEN
-    data["name"] = f"{RECIPE}-{MAX_SEQ_LEN}"
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+    return recipe_variant(load_recipe(RECIPE), {"model.max_seq_len": MAX_SEQ_LEN}, name=f"{RECIPE}-{MAX_SEQ_LEN}")
 
 
 def big_snapshot() -> Snapshot:

@@ -8,13 +8,11 @@ No benchmark here; the runner imports it like any module of this folder.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
-import yaml
-
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 
 BASE = "dsv41-tiny"
 FP8_ROLES = ("attention", "indexer_query", "shared_experts", "draft_input")
@@ -31,16 +29,8 @@ def v41_release_weights(activation: str) -> dict:
 
 
 def variant(changes: dict, name: str, base: str = BASE):
-    """Recipe `base` with dotted-path keys replaced (`model.hidden_size`), parsed like a user's YAML."""
-    data = copy.deepcopy(load_recipe(base).normalized())
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        node = data
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    data["name"] = name
-    return parse_recipe(yaml.safe_dump(data), file=f"{name}.yaml")
+    """Bundled recipe `base` with dotted-path keys replaced (`model.hidden_size`), named `name`."""
+    return recipe_variant(load_recipe(base), changes, name=name)
 
 
 def twins(changes: dict, name: str, activation: str = "none") -> tuple:

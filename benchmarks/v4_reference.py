@@ -39,13 +39,13 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 
 from b12x_toolchain.exporter.hf.config_writer import hf_config_dict
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_from_dict, recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from benchmarks.registry import Settings, benchmark, compare_rates
@@ -65,20 +65,17 @@ def fp32_weights(recipe):
     package is measured against its fp32 twin by `quantized_decode`)."""
     data = recipe.normalized()
     data.pop("weights", None)
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+    return recipe_from_dict(data)
 
 
 def fp32_variant(recipe):
     """The recipe with every quantised cache stored as fp32 (nothing else changes)."""
-    data = recipe.normalized()
-    data["cache"].update(FP32_CACHES)
-    data["name"] = f"{recipe.name}-fp32"
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+    return recipe_variant(recipe, {f"cache.{key}": value for key, value in FP32_CACHES.items()},
+                          name=f"{recipe.name}-fp32")
 
 
 def package_recipe(package):
-    data = package.manifest.recipe
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+    return recipe_from_dict(package.manifest.recipe)
 
 
 def reference_model(package):

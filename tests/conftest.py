@@ -7,13 +7,11 @@ of the run share, and read by the others (exports are byte-identical across proc
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from filelock import FileLock
 
 if not torch.cuda.is_available():
@@ -23,7 +21,8 @@ if not torch.cuda.is_available():
 
 from b12x_toolchain.exporter.pipeline import trace_cache
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
@@ -119,20 +118,6 @@ def once_per_run(run_dir: Path, name: str, build) -> Path:
 @pytest.fixture(scope="session")
 def tiny_recipe():
     return load_recipe("dsv41-tiny")
-
-
-def recipe_variant(base, changes: dict, name: str | None = None):
-    """The recipe with dotted-path keys replaced, parsed like a user's YAML file."""
-    data = copy.deepcopy(base.normalized())
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        node = data
-        for key in parents:
-            node = node[int(key)] if isinstance(node, list) else node[key]
-        node[leaf] = value
-    if name:
-        data["name"] = name
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
 
 
 SMALL = {  # one window-only and one ratio-2 (Full) layer, one draft stage: exports in seconds

@@ -17,8 +17,8 @@ FP32_WEIGHTS = {"weights": None}
 def exported(recipe, weights, tmp_path_factory, changes=None, name=None):
     """The recipe (or its variant with `changes`) exported with `weights`, loaded."""
     from b12x_toolchain.exporter.pipeline.export import export_package
+    from b12x_toolchain.exporter.recipe.variants import recipe_variant
     from b12x_toolchain.runtime import load
-    from conftest import recipe_variant
 
     if changes:
         recipe = recipe_variant(recipe, changes, name=name)
@@ -31,7 +31,7 @@ def single_forward(recipe, weights, tokens, module_hook=None):
     import paging
     from b12x_toolchain.exporter.model.pass_modules import PASSES
     from b12x_toolchain.exporter.recipe.dims import Dims
-    from conftest import recipe_variant
+    from b12x_toolchain.exporter.recipe.variants import recipe_variant
 
     n = len(tokens)
     variant = recipe_variant(recipe, {**FP32_CACHES, "cache.history": n, "passes.prefill.chunk": n, "rewrites": []},

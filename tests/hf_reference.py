@@ -22,7 +22,7 @@ import transformers
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from conftest import recipe_variant
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from decode_steps import FP32_WEIGHTS
 
 INDEX = "model.safetensors.index.json"

@@ -14,9 +14,10 @@ expects and what the checkpoint has.
 
 A quantized checkpoint (config.json's `quantization_config`), or any checkpoint for a
 recipe whose `weights` section stores some weight in another format than fp32, is read
-in its stored formats by release_layout.py: each weight must be stored in the format the
-recipe gives it (FP8 data with its block scales, packed FP4 experts, BF16), and comes back
-as the package stores it, data under the weight's name and scale under `<name>_scale`.
+in its stored formats by release_reader.py (the layout: release_layout.py): each weight
+must be stored in the format the recipe gives it (FP8 data with its block scales, packed
+FP4 experts, BF16), and comes back as the package stores it, data under the weight's name
+and scale under `<name>_scale`.
 
 A `deepseek_v41` recipe's checkpoint is always read so. Its config.json is checked for
 its Engram keys only (`engram_section`; the other V4.1 keys are not read yet, and every
@@ -35,28 +36,30 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from b12x_toolchain.exporter.hf.config import (
-    CONFIG,
-    YARN_KEYS,
-    HfConfigError,
-    engram_section,
-    model_fields,
-    read_config,
-    tied_embeddings,
-)
-from b12x_toolchain.exporter.hf.names import Target, target_of
-from b12x_toolchain.exporter.hf.release_layout import INT64, read_release_checkpoint
+from b12x_toolchain.exporter.hf.config import CONFIG, HfConfigError, model_fields, read_config, tied_embeddings
+from b12x_toolchain.exporter.hf.config_engram import engram_section
+from b12x_toolchain.exporter.hf.config_rope import YARN_KEYS
+from b12x_toolchain.exporter.hf.names import Target, computed_table, target_of
+from b12x_toolchain.exporter.hf.release_layout import INT64
+from b12x_toolchain.exporter.hf.release_reader import read_release_checkpoint
 from b12x_toolchain.exporter.model.engram import TOKEN_MAP
 from b12x_toolchain.exporter.model.engram_token_map import check_token_map, compressed_token_map, identity_token_map
-from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, weight_formats, weight_specs
+from b12x_toolchain.exporter.model.weight_roles import role_of, weight_role
+from b12x_toolchain.exporter.model.weights import (
+    EMBED,
+    LM_HEAD,
+    SCALE_SUFFIX,
+    logical_specs,
+    weight_formats,
+    weight_specs,
+)
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.formats.weight_formats import FP32
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError, read_checkpoint, weight_map
-from b12x_toolchain.runtime.package.weight_format import FP32
 
 __all__ = ["checkpoint_source", "load_hf_checkpoint"]
 
-EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-ENGRAM_TABLE, TOKENIZER = ".engram.embed.weight", "tokenizer.json"
+TOKENIZER = "tokenizer.json"
 # config.json's Engram fields (engram_section) against the recipe's (EngramDims), with the key each comes from.
 ENGRAM_CHECKED = (("layer_ids", "layer_ids", "engram_layer_ids"), ("max_ngram", "max_ngram", "engram_max_ngram_size"),
                   ("heads_per_order", "heads", "engram_n_heads"), ("head_dim", "head_dim", "engram_head_dim"),
@@ -102,11 +105,6 @@ def _check_config(config: dict, d: Dims) -> bool:
     return tied
 
 
-def _stored_only(name: str) -> bool:
-    # RoPE tables are computed from config.json; older savers wrote them, and they carry no weights.
-    return name.endswith("inv_freq")
-
-
 def _plan(stored: dict[str, Path], specs: dict, experts: int) -> tuple[dict[str, dict], list[str]]:
     """Stored tensors grouped by the weight they hold (weight -> {(expert, part): stored name}),
     and the stored names that hold no weight of the recipe."""
@@ -115,25 +113,18 @@ def _plan(stored: dict[str, Path], specs: dict, experts: int) -> tuple[dict[str,
     for name in sorted(stored):
         target = target_of(name)
         if target.name not in specs or (target.expert is not None and target.expert >= experts):
-            if not _stored_only(name):
+            if not computed_table(name):
                 extra.append(name)
             continue
         held = plan.setdefault(target.name, {})
         key = (target.expert, target.part)
         if key in held:
-            raise CheckpointError(f"{name}: holds the same weight as {held[key]} ({_describe(target)})")
+            raise CheckpointError(f"{name}: holds the same weight as {held[key]} ({target.describe()})")
         if held and (key == (None, 0)) != ((None, 0) in held):
             other = next(iter(held.values()))
             raise CheckpointError(f"{name}: {target.name} is stored both whole and per routed expert ({other})")
         held[key] = name
     return plan, extra
-
-
-def _describe(target: Target) -> str:
-    if target.expert is None:
-        return target.name
-    which = "down" if target.name.endswith("down_proj") else ("gate", "up")[target.part]
-    return f"routed expert {target.expert}'s {which} rows of {target.name}"
 
 
 def _missing(piece: str, dtype: str, shape: tuple) -> CheckpointError:
@@ -154,11 +145,11 @@ def _expected(plan: dict[str, dict], specs: dict, experts: int, tied: bool) -> d
             expected[held[(None, 0)]] = (dtype, shape)
             continue
         # Per routed expert: each holds one expert's rows (both halves of gate_up_proj).
-        parts = (0, 1) if weight.endswith("gate_up_proj") else (0,)
-        piece_shape = (shape[1] // len(parts), *shape[2:])
-        for key in [(e, p) for e in range(experts) for p in parts]:
+        parts = weight_role(weight).parts
+        piece_shape = (shape[1] // parts, *shape[2:])
+        for key in [(e, p) for e in range(experts) for p in range(parts)]:
             if key not in held:
-                raise _missing(_describe(Target(weight, *key)), dtype, piece_shape)
+                raise _missing(Target(weight, *key).describe(), dtype, piece_shape)
             expected[held[key]] = (dtype, piece_shape)
     return expected
 
@@ -171,7 +162,7 @@ def _read(root: Path, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
         stored = str(exc).partition(":")[0]
         target = target_of(stored)
         if stored in expected and (target.name != stored or target.expert is not None):
-            raise CheckpointError(f"{exc} (it holds {_describe(target)})") from None
+            raise CheckpointError(f"{exc} (it holds {target.describe()})") from None
         raise
 
 
@@ -268,7 +259,7 @@ def _check_engram_rows(stored: dict[str, Path], shapes: dict, d: Dims) -> None:
     the stored tensor's name, from its header alone."""
     for name, path in sorted(stored.items()):
         weight = target_of(name).name
-        if not weight.endswith(ENGRAM_TABLE) or weight not in shapes:
+        if role_of(weight) != "engram_tables" or weight not in shapes:
             continue
         with safe_open(str(path), framework="pt") as handle:
             got = handle.get_slice(name).get_shape()

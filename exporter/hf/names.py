@@ -15,6 +15,11 @@ DeepSeek V4.1's Engram tensors (`layers.{i}.engram.{embed, wkv}.weight` with the
 `.scale`, `layers.{i}.engram.{q_weight, k_weight}`) keep their names under the block:
 `transformers` has no V4.1 table, and the attention renames (`.wkv.` -> `.kv_proj.`) are
 not theirs.
+
+Scales: the release names a block scale `<module>.scale` beside `<module>.weight`, and
+`<tensor>_scale_inv` beside a merged tensor (`experts.gate_up_proj_scale_inv`);
+`transformers` renames `.scale` to `.weight_scale_inv`, and b12x writes `.weight_scale`.
+`release_scale_name` gives the release's name, `scale_owner` reads any of them back.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Target", "target_of"]
+from b12x_toolchain.exporter.model.weight_roles import weight_role
+
+__all__ = ["Target", "computed_table", "release_scale_name", "scale_owner", "target_of"]
 
 # (pattern, replacement) on ".<name within a block>", applied in order, each at most once.
 BLOCK_RENAMES = tuple((re.compile(p), r) for p, r in (
@@ -88,7 +95,7 @@ class Target:
         """The weight, or the routed expert's rows of it, in words for an error message."""
         if self.expert is None:
             return self.name
-        which = "down" if self.name.endswith("down_proj") else ("gate", "up")[self.part]
+        which = ("gate", "up")[self.part] if weight_role(self.name).gate_up else "down"
         return f"routed expert {self.expert}'s {which} rows of {self.name}"
 
 
@@ -118,3 +125,26 @@ def target_of(stored: str) -> Target:
         leaf, part = EXPERT_PARTS[expert.group(2)]
         return Target(f"{prefix}mlp.experts.{leaf}", int(expert.group(1)), part)
     return Target(prefix + dotted[1:])
+
+
+def computed_table(stored: str) -> bool:
+    """Whether a checkpoint tensor is a RoPE table some savers write (`inv_freq`): computed from
+    config.json, it holds no weight."""
+    return stored.endswith("inv_freq")
+
+
+def release_scale_name(stored: str) -> str:
+    """The release's name for the scale of checkpoint tensor `stored`."""
+    return stored.removesuffix(".weight") + ".scale" if stored.endswith(".weight") else stored + "_scale_inv"
+
+
+def scale_owner(name: str, stored: set[str]) -> str | None:
+    """The data tensor checkpoint tensor `name` is the scale of, or None when it is not a scale.
+    `X.scale` is a scale only beside `X.weight` (otherwise a weight, like `attn_hc.scale`)."""
+    if name.endswith("_scale_inv"):  # X.weight_scale_inv, and merged experts' X_scale_inv
+        return name.removesuffix("_scale_inv")
+    if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in stored:
+        return name.removesuffix(".scale") + ".weight"
+    if name.endswith(".weight_scale") and name.removesuffix("_scale") in stored:  # b12x's own layout
+        return name.removesuffix("_scale")
+    return None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from b12x_toolchain.exporter.errors import HfConfigError
 from b12x_toolchain.exporter.model.weight_roles import ROLES
-from b12x_toolchain.runtime.package.weight_format import FP4_BLOCK, WeightFormat, format_problem
+from b12x_toolchain.runtime.formats.weight_formats import BF16, FP4_E2M1, WeightFormat, format_problem
 
 __all__ = ["Quantization", "read_quantization", "release_role_formats", "weights_section"]
 
@@ -35,8 +35,6 @@ ENGRAM_ROLES = ("engram_tables", "engram_projection")
 ENGRAM_TABLE_BLOCK = (1, 32)  # a row is read alone: one scale per 32 of its values
 # draft_heads (DSpark's) are in no DeepSeek release; the section leaves them fp32.
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default when weight_block_size is absent
-FP4_E2M1 = WeightFormat("fp4_e2m1", FP4_BLOCK, "ue8m0")
-BF16 = WeightFormat("bf16")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model.engram import prefix, row_ranges
+from b12x_toolchain.exporter.model.weight_roles import DOWN, GATE_UP
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, Spec, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime.parallel.mapping import Split
@@ -43,13 +44,17 @@ TENSOR_SPLITS = {
 }
 # Routed experts [E, 2I, D] and [E, D, I]: the expert axis under expert parallelism; else the
 # intermediate one (gate_up holds gate then up, so each half is split).
-EXPERT_SPLITS = {"experts.gate_up_proj": 1, "experts.down_proj": 2}
-HALVES = ("experts.gate_up_proj",)
+EXPERT_SPLITS = {GATE_UP: 1, DOWN: 2}
 
 
 def check_rank(d: Dims, rank: int) -> None:
     if not 0 <= rank < d.world_size:
         raise ValueError(f"rank {rank} is out of range; expected 0 <= rank < world size {d.world_size}")
+
+
+def _holds(name: str, weight_suffix: str) -> bool:
+    """Whether stored tensor `name` is a weight whose name ends in `weight_suffix`, or its scale."""
+    return name.endswith((weight_suffix, weight_suffix + SCALE_SUFFIX))
 
 
 def split_of(name: str, d: Dims) -> Split | None:
@@ -60,13 +65,13 @@ def split_of(name: str, d: Dims) -> Split | None:
     if table is not None:
         return Split(0, d.tensor, ranges=tuple(row_ranges(d, table, d.tensor))) if d.tensor > 1 else None
     for suffix, axis in TENSOR_SPLITS.items():
-        if name.endswith((suffix, suffix + SCALE_SUFFIX)):
+        if _holds(name, suffix):
             return Split(axis, d.tensor) if d.tensor > 1 else None
     for suffix, axis in EXPERT_SPLITS.items():
-        if name.endswith((suffix, suffix + SCALE_SUFFIX)):
+        if _holds(name, suffix):
             if d.expert > 1:
                 return Split(0, d.expert)
-            return Split(axis, d.tensor, suffix in HALVES) if d.tensor > 1 else None
+            return Split(axis, d.tensor, suffix == GATE_UP) if d.tensor > 1 else None
     return None
 
 

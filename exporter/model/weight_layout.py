@@ -1,7 +1,7 @@
 """Whether the recipe's weight formats fit the model's tensors and its `parallel` split.
 
 A block need not divide a tensor: the scale grid is a ceiling grid, a partial block zero
-padded, as DeepSeek's checkpoints store it (weight_format.py). Three things must hold:
+padded, as DeepSeek's checkpoints store it (runtime/formats/weight_formats.py). Three things must hold:
 - fp4_e2m1 packs two values a byte and scales whole groups of 32: the input dimension is a
   multiple of 32;
 - a routed expert's gate_up holds gate then up; a block must not straddle the two, so each
@@ -14,9 +14,8 @@ the `parallel` key whose split cuts a block.
 
 from __future__ import annotations
 
-from b12x_toolchain.exporter.model.parallel import HALVES, split_of
-from b12x_toolchain.exporter.model.weight_roles import role_of
-from b12x_toolchain.exporter.model.weights import logical_specs, weight_formats
+from b12x_toolchain.exporter.model.parallel import split_of
+from b12x_toolchain.exporter.model.weights import logical_specs, weight_roles
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.field_types import _problem
 
@@ -25,18 +24,18 @@ def check_weight_layout(recipe) -> None:
     """Raise a located recipe problem for the first weight whose format does not fit."""
     d = Dims.from_recipe(recipe)
     specs = logical_specs(d)
-    for name, fmt in sorted(weight_formats(d).items()):
+    for name, weight in sorted(weight_roles(d).items()):
+        fmt = weight.format
         if not fmt.quantized:
             continue
-        shape, role = specs[name][0], role_of(name)
+        shape = specs[name][0]
         problem = fmt.shape_problem(shape)
         if problem:
-            raise _problem(f"{name}: {problem}", ("weights", role, "format"))
-        halves = name.endswith(HALVES)
-        rows = shape[-2] // 2 if halves else shape[-2]
-        if halves and rows % fmt.block[0]:
+            raise _problem(f"{name}: {problem}", ("weights", weight.role, "format"))
+        rows = shape[-2] // weight.parts
+        if weight.gate_up and rows % fmt.block[0]:
             raise _problem(f"{fmt.block[0]}x{fmt.block[1]} blocks straddle gate and up of {name}: each half has "
-                           f"{rows} rows, not a multiple of {fmt.block[0]}", ("weights", role, "block"))
+                           f"{rows} rows, not a multiple of {fmt.block[0]}", ("weights", weight.role, "block"))
         _check_split(d, name, shape, fmt)
 
 

@@ -24,13 +24,13 @@ import torch
 
 from b12x_toolchain.exporter.model.engram import TOKEN_MAP, prefix, table_rows
 from b12x_toolchain.exporter.model.engram_token_map import identity_token_map
-from b12x_toolchain.exporter.model.weight_roles import role_of
+from b12x_toolchain.exporter.model.weight_roles import WeightRole, weight_role
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.runtime.formats.weight_formats import quantize_fp4, quantize_fp8_block
-from b12x_toolchain.runtime.package.weight_format import WeightFormat
+from b12x_toolchain.runtime.formats.weight_formats import WeightFormat, quantize_fp4, quantize_fp8_block
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype)
 SCALE_SUFFIX = "_scale"
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def _hc(d: Dims, prefix: str) -> dict[str, Spec]:
@@ -117,7 +117,7 @@ def _head(d: Dims, prefix: str) -> dict[str, Spec]:
 def logical_specs(d: Dims) -> dict[str, Spec]:
     """Every weight of the model, target and draft stages, as its logical float32 (or int64) tensor."""
     D = d.hidden
-    specs = {"model.embed_tokens.weight": ((d.vocab, D), "float32"), "lm_head.weight": ((d.vocab, D), "float32")}
+    specs = {EMBED: ((d.vocab, D), "float32"), LM_HEAD: ((d.vocab, D), "float32")}
     specs.update(_head(d, "model."))
     for i in range(d.layers):
         specs.update(_layer(d, f"model.layers.{i}.", i, d.moe, i < d.moe.hash_layers))
@@ -148,14 +148,14 @@ def _engram(d: Dims) -> dict[str, Spec]:
     return specs
 
 
+def weight_roles(d: Dims) -> dict[str, WeightRole]:
+    """Every weight's role and the format the recipe gives it (weight_roles.py)."""
+    return {name: weight_role(name, d.role_format) for name in logical_specs(d)}
+
+
 def weight_formats(d: Dims) -> dict[str, WeightFormat]:
     """The format of every weight whose role the recipe gives another format than fp32."""
-    out = {}
-    for name in logical_specs(d):
-        fmt = d.role_format(role_of(name))
-        if fmt.kind != "fp32":
-            out[name] = fmt
-    return out
+    return {name: weight.format for name, weight in weight_roles(d).items() if weight.format.kind != "fp32"}
 
 
 def weight_specs(d: Dims) -> dict[str, Spec]:
@@ -193,33 +193,38 @@ def init_weights(d: Dims, seed: int, device="cpu") -> dict[str, torch.Tensor]:
     every format: a bf16 weight is rounded from its draw, a block-scaled one quantized from
     it (`quantize_stored`), one tensor at a time.
     """
-    formats = weight_formats(d)
+    roles = weight_roles(d)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = {}
     for name, (shape, dtype) in sorted(logical_specs(d).items()):
-        if name.endswith("engram.token_map"):  # random weights take the identity-style map
-            tensor = identity_token_map(shape[0], d.engram.compressed_vocab)
-        elif dtype == "int64":  # hash routing table: distinct experts per token
-            ranks = torch.rand((shape[0], d.moe.experts), generator=gen).argsort(dim=-1)
-            tensor = ranks[:, : shape[1]].contiguous()
-        elif name.endswith(("norm.weight", "hc_scale", "engram.q_weight", "engram.k_weight")) or name.endswith("_hc.scale"):
-            tensor = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif name == "dspark.markov.embed":
-            tensor = 0.1 * torch.randn(shape, generator=gen)
-        elif len(shape) == 1 or name.endswith("position_bias"):
-            tensor = 0.5 * torch.randn(shape, generator=gen)
-        elif name == "model.embed_tokens.weight" or name.endswith("engram.embed.weight"):
-            tensor = torch.randn(shape, generator=gen)
-        else:
-            tensor = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-        if name in formats:
-            stored = quantize_stored(tensor, formats[name])
-            out[name] = stored[0].to(device)
-            if stored[1] is not None:
-                out[name + SCALE_SUFFIX] = stored[1].to(device)
-        else:
+        weight = roles[name]
+        tensor = _draw(d, name, shape, dtype, weight.role, gen)
+        if weight.format.kind == "fp32":
             out[name] = tensor.to(device)
+            continue
+        data, scale = quantize_stored(tensor, weight.format)
+        out[name] = data.to(device)
+        if scale is not None:
+            out[name + SCALE_SUFFIX] = scale.to(device)
     return dict(sorted(out.items()))
+
+
+def _draw(d: Dims, name: str, shape, dtype: str, role: str | None, gen: torch.Generator) -> torch.Tensor:
+    """One weight's random logical values, sized by what the weight is."""
+    if name == TOKEN_MAP:  # random weights take the identity-style map
+        return identity_token_map(shape[0], d.engram.compressed_vocab)
+    if dtype == "int64":  # hash routing table: distinct experts per token
+        ranks = torch.rand((shape[0], d.moe.experts), generator=gen).argsort(dim=-1)
+        return ranks[:, : shape[1]].contiguous()
+    if role == "norms" or name.endswith(("hc_scale", "_hc.scale")):  # gains: about one
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name == "dspark.markov.embed":
+        return 0.1 * torch.randn(shape, generator=gen)
+    if len(shape) == 1 or name.endswith("position_bias"):
+        return 0.5 * torch.randn(shape, generator=gen)
+    if role in ("embeddings", "engram_tables"):  # rows looked up, not multiplied: unit values
+        return torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
 
 
 def quantize_stored(tensor: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,11 +14,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from b12x_toolchain.exporter.errors import ReexportError  # noqa: F401  (re-exported)
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.recipe.loader import parse_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_from_dict
 
 
 @dataclass
@@ -34,8 +32,7 @@ def settings_from_manifest(manifest, recipe=None, checksums: dict | None = None)
     that the recipe file in the repository still gives the committed package); `checksums`
     replace the recorded external-weight checksums (a checkpoint index given on the command line)."""
     if recipe is None:
-        # YAML, not JSON text: PyYAML reads JSON's `1e-20` as a string, but dumps floats it can read.
-        recipe = parse_recipe(yaml.safe_dump(manifest.recipe), file="manifest.json#recipe")
+        recipe = recipe_from_dict(manifest.recipe, file="manifest.json#recipe")
     rewrites = [r.name for r in recipe.rewrites]
     pipeline = list(manifest.rewrites.pipeline)
     if pipeline not in (rewrites, []):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from b12x_toolchain.runtime.formats.codecs import get_format
-from b12x_toolchain.runtime.package.weight_format import FP32, WeightFormat
+from b12x_toolchain.runtime.formats.weight_formats import FP32, WeightFormat
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ activation rule of the quantized linears.
 
 A role left out is fp32; a recipe without the section is fp32 everywhere, and normalises
 and hashes as it did before the section existed. Roles and the weights in each:
-exporter/model/weight_roles.py. Formats and their scale grids: runtime/package/weight_format.py.
+exporter/model/weight_roles.py. Formats and their scale grids: runtime/formats/weight_formats.py.
 `activation: deepseek` quantizes activations to E4M3 per token per 128 channels with a
 power-of-two scale before every FP8/FP4 linear, as DeepSeek's reference does; `none` leaves
 them as they are (what transformers computes on CPU, and vLLM's W4A16 experts).
@@ -23,9 +23,15 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, model_validator
 
-from b12x_toolchain.exporter.model.weight_roles import ROLE_BLOCKS, ROLE_KINDS
+from b12x_toolchain.exporter.model.weight_roles import ROLE_BLOCKS, ROLE_ELEMENT_TYPES, ROLES
 from b12x_toolchain.exporter.recipe.field_types import PosInt, _problem, _Spec
-from b12x_toolchain.runtime.package.weight_format import FP4_BLOCK, WeightFormat, format_problem
+from b12x_toolchain.runtime.formats.weight_formats import (
+    ELEMENT_TYPES,
+    FP4_BLOCK,
+    SCALE_ENCODINGS,
+    WeightFormat,
+    format_problem,
+)
 
 RECIPE_KEYS = {"kind": "format", "block": "block", "scale_encoding": "scale"}
 
@@ -40,9 +46,9 @@ def _shorthand(value):
 
 
 class FormatSpec(_Spec):
-    format: Literal["fp32", "bf16", "fp8_e4m3", "fp4_e2m1"]
+    format: Literal[ELEMENT_TYPES]
     block: tuple[PosInt, PosInt] | None = None
-    scale: Literal["ue8m0", "fp32"] | None = None
+    scale: Literal[SCALE_ENCODINGS] | None = None
 
     @model_validator(mode="after")
     def _combination(self) -> FormatSpec:
@@ -77,11 +83,11 @@ class WeightsSpec(_Spec):
 
     def formats(self) -> dict[str, WeightFormat]:
         """role -> format, for every role."""
-        return {role: getattr(self, role).weight_format() for role in ROLE_KINDS}
+        return {role: getattr(self, role).weight_format() for role in ROLES}
 
     @model_validator(mode="after")
     def _roles_take_their_formats(self) -> WeightsSpec:
-        for role, kinds in ROLE_KINDS.items():
+        for role, kinds in ROLE_ELEMENT_TYPES.items():
             kind = getattr(self, role).format
             if kind not in kinds:
                 raise _problem(f"{kind} is not a format {role} takes ({', '.join(kinds)})", (role, "format"))

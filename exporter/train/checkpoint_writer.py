@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from b12x_toolchain.exporter.hf.config_writer import v41_config_dict
+from b12x_toolchain.exporter.hf.names import release_scale_name
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, quantize_stored, weight_formats
 from b12x_toolchain.exporter.pipeline.checkpoint_index import write_checkpoint
 
@@ -36,8 +37,7 @@ def stored_name(name: str) -> str:
 
 def scale_name(name: str) -> str:
     """The checkpoint's name for the scale of b12x weight `name`."""
-    stored = stored_name(name)
-    return stored.removesuffix(".weight") + ".scale" if stored.endswith(".weight") else stored + "_scale_inv"
+    return release_scale_name(stored_name(name))
 
 
 def stored_weights(d, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -14,10 +14,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.recipe.loader import parse_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_from_dict
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
@@ -31,7 +30,7 @@ def generation_recipe(data: dict):
     data["name"] = data["name"] + "-generation"
     for name in ("prefill", "decode"):
         data["passes"][name]["rows_buckets"] = sorted({*data["passes"][name]["rows_buckets"], ROWS})
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+    return recipe_from_dict(data)
 
 
 def greedy_continuations(data: dict, stored_weights: dict, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:

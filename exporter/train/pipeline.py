@@ -25,7 +25,8 @@ from b12x_toolchain.exporter.model.engram_token_map import compressed_token_map,
 from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_from_dict
 from b12x_toolchain.exporter.train import drafter, generation, language_model
 from b12x_toolchain.exporter.train.checkpoint_writer import stored_weights, write_release_checkpoint
 from b12x_toolchain.exporter.train.corpus import fingerprint, load_corpus
@@ -57,13 +58,12 @@ def shipping_recipe(recipe, tokenizer) -> tuple[object, dict]:
     engram = data["model"].get("engram")
     if engram is not None:
         engram["compressed_vocab_size"] = len(set(token_map_keys(tokenizer)))
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml"), data
+    return recipe_from_dict(data), data
 
 
 def float_recipe(data: dict):
     """The same model with every weight fp32: what trains (the shipping formats come after)."""
-    data = {key: value for key, value in data.items() if key != "weights"}
-    return parse_recipe(yaml.safe_dump(data), file=f"{data['name']}.yaml")
+    return recipe_from_dict({key: value for key, value in data.items() if key != "weights"})
 
 
 def train(out: Path, options: TrainingOptions = TrainingOptions(), log: Callable[[str], None] = print) -> dict:
@@ -93,6 +93,28 @@ def train(out: Path, options: TrainingOptions = TrainingOptions(), log: Callable
                                                   pad_id=e.pad_id)
     module = PASSES["prefill"](d_train)
     generator = torch.Generator().manual_seed(options.seed)
+    target_losses = _train_target(out, options, module, weights, train_stream, generator, log)
+    heldout = heldout_stream[: options.heldout_windows * options.length]
+    ppl = language_model.perplexity(module, weights, heldout, options.length)
+    log(f"target: held-out perplexity {ppl:.3f} (fp32 weights)")
+    drafter_losses, accepted = _train_drafter(options, data, d, module, weights, train_stream, generator, log)
+
+    summary = {
+        "options": asdict(options), "corpus": {"python": corpus.python_version, "fingerprint": fingerprint(corpus),
+                                               "train_files": len(corpus.train), "heldout_files": len(corpus.heldout)},
+        "target": {"final_loss": _tail_mean(target_losses), "heldout_perplexity_fp32": ppl},
+        "drafter": {"final_loss": _tail_mean(drafter_losses), "accepted_per_block": _tail_mean(accepted)},
+        "seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__,
+    }
+    write_release_checkpoint(out / "checkpoint", recipe, d, weights, out / "tokenizer", summary)
+    log(f"wrote {out / 'checkpoint'} in {summary['seconds']:.0f} s")
+    return summary
+
+
+def _train_target(out: Path, options: TrainingOptions, module, weights: dict, train_stream, generator,
+                  log: Callable[[str], None]) -> list[float]:
+    """Train every weight but the drafter's (next-token loss and the indexer's distillation), saved
+    as out/target.safetensors, or take them from options.target_from; the losses, a step each."""
     target_names = [n for n in weights if n not in drafter.drafter_weight_names(weights)]
     params = language_model.trainable(weights, target_names)
 
@@ -115,10 +137,13 @@ def train(out: Path, options: TrainingOptions = TrainingOptions(), log: Callable
         target_losses = []
     for tensor in params:
         tensor.requires_grad_(False)
-    heldout = heldout_stream[: options.heldout_windows * options.length]
-    ppl = language_model.perplexity(module, weights, heldout, options.length)
-    log(f"target: held-out perplexity {ppl:.3f} (fp32 weights)")
+    return target_losses
 
+
+def _train_drafter(options: TrainingOptions, data: dict, d: Dims, module, weights: dict, train_stream, generator,
+                   log: Callable[[str], None]) -> tuple[list[float], list[float]]:
+    """Train the drafter's weights on training windows and on sequences the trained target continues
+    greedily; the losses and the mean accepted tokens a block, a step each."""
     crops = language_model.random_crops(train_stream, options.drafter_sequences, options.length, generator)
     if options.drafter_generated:
         half = options.length // 2
@@ -142,17 +167,7 @@ def train(out: Path, options: TrainingOptions = TrainingOptions(), log: Callable
                                              _every(log, "drafter", options.drafter_steps, accepted))
     for tensor in draft_params:
         tensor.requires_grad_(False)
-
-    summary = {
-        "options": asdict(options), "corpus": {"python": corpus.python_version, "fingerprint": fingerprint(corpus),
-                                               "train_files": len(corpus.train), "heldout_files": len(corpus.heldout)},
-        "target": {"final_loss": _tail_mean(target_losses), "heldout_perplexity_fp32": ppl},
-        "drafter": {"final_loss": _tail_mean(drafter_losses), "accepted_per_block": _tail_mean(accepted)},
-        "seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__,
-    }
-    write_release_checkpoint(out / "checkpoint", recipe, d, weights, out / "tokenizer", summary)
-    log(f"wrote {out / 'checkpoint'} in {summary['seconds']:.0f} s")
-    return summary
+    return drafter_losses, accepted
 
 
 def _tail_mean(values: list[float], count: int = 20) -> float:

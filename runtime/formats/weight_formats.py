@@ -1,9 +1,22 @@
-"""DeepSeek checkpoint weight formats: exact decoding, and the quantizers that make them.
+"""A weight tensor's storage format (`WeightFormat`), its exact decoding, and the quantizers
+that make it, as DeepSeek's checkpoints store it.
+
+    fp32, bf16                    plain tensors, no scale
+    fp8_e4m3  block [bm, bn]      E4M3 data [.., out, in] + a scale per bm x bn block
+    fp4_e2m1  block [1, 32]       E2M1 packed two per int8 byte [.., out, in / 2], the low
+                                  nibble the even column, + a UE8M0 scale per 32 inputs
+
+A block tiles the last two axes (out, in); leading axes (routed experts) are kept. The
+scale grid is a ceiling grid, [ceil(out / bm), ceil(in / bn)], as DeepSeek's checkpoints
+pad a partial block (576 x 7168 in 128 x 128 blocks has a 5 x 56 grid). The decoded
+weight is data x scale of its block. Scale encodings: `ue8m0` is stored as
+float8_e8m0fnu, one byte 2^(byte - 127) (the release's own F8_E8M0; a uint8 or float32
+power-of-two scale is converted to it on import), `fp32` as float32.
 
 Canonical storage (what a package stores and the quantized ops take):
 
 * FP8 block-scaled: weight ``torch.float8_e4m3fn`` ``[out, in]``; one scale per block of
-  ``(bm, bn)`` weights, ``(bm, bn)`` one of ``BLOCKS`` ((128, 128) in V3/V4, (32, 32) in
+  ``(bm, bn)`` weights, ``(bm, bn)`` one of ``FP8_BLOCKS`` ((128, 128) in V3/V4, (32, 32) in
   V4.1, (1, 32) for row-wise tables), scale shape ``[ceil(out / bm), ceil(in / bn)]``,
   either UE8M0 as ``torch.float8_e8m0fnu`` (value ``2^(byte - 127)``) or ``float32``.
   Partial edge blocks are as if padded with zeros. Value = ``e4m3 * scale``.
@@ -25,7 +38,11 @@ float32 first, as DeepSeek's kernels divide in float32), and elements round to n
 even. `act_quant_e4m3` is DeepSeek's activation rule for FP8/FP4 linears.
 """
 
+
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +59,146 @@ from b12x_toolchain.runtime.formats.minifloat import (
     _unpack_e2m1,
 )
 
-BLOCKS = ((128, 128), (32, 32), (1, 32))
-"""The FP8 scale blocks (rows, columns) DeepSeek checkpoints use."""
+ELEMENT_TYPES = ("fp32", "bf16", "fp8_e4m3", "fp4_e2m1")  # what a stored weight's elements are
 SCALE_ENCODINGS = ("ue8m0", "fp32")
+FP8_BLOCKS = ((128, 128), (32, 32), (1, 32))
+"""The FP8 scale blocks (rows, columns) DeepSeek checkpoints use."""
 FP4_GROUP = 32  # inputs per FP4 scale
+FP4_BLOCK = (1, FP4_GROUP)
+DATA_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp4_e2m1": "int8"}
+SCALE_DTYPES = {"ue8m0": "float8_e8m0fnu", "fp32": "float32"}
 ACT_GROUP = 128  # channels per DeepSeek activation scale
 ACT_MIN_AMAX = 1e-4  # DeepSeek's act_quant floor; applied as the float32 nearest 1e-4
 # Keeps amax / 6 a normal float32, whose exponent the bits give; an all-zero FP4 block
 # gets the scale 2^-126.
 _FP4_MIN_AMAX = _E2M1_MAX * 2.0**-126
+
+
+# ---------------------------------------------------------------- the format of a stored weight
+
+
+def _show_blocks(blocks) -> str:
+    return ", ".join(f"{m}x{n}" for m, n in blocks)
+
+
+def format_problem(kind, block, scale_encoding) -> tuple[str, str] | None:
+    """(field at fault, what is wrong) of this combination, or None: one rule for the recipe and
+    the manifest. The field is `kind`, `block` or `scale_encoding`."""
+    if kind not in ELEMENT_TYPES:
+        return "kind", f"{kind!r} is not one of {', '.join(ELEMENT_TYPES)}"
+    if kind in ("fp32", "bf16"):
+        if block is not None:
+            return "block", f"{kind} has no block (got {_show(block)}); only fp8_e4m3 and fp4_e2m1 are block-scaled"
+        if scale_encoding is not None:
+            return "scale_encoding", (f"{kind} carries no scale (got {scale_encoding!r}); only fp8_e4m3 and "
+                                      "fp4_e2m1 do")
+        return None
+    if block is None:
+        return "block", f"{kind} needs a block ({_show_blocks(FP8_BLOCKS if kind == 'fp8_e4m3' else [FP4_BLOCK])})"
+    if scale_encoding is None:
+        return "scale_encoding", f"{kind} needs a scale encoding ({'ue8m0, fp32' if kind == 'fp8_e4m3' else 'ue8m0'})"
+    if kind == "fp8_e4m3":
+        if block not in FP8_BLOCKS:
+            return "block", f"{_show(block)} is not a block fp8_e4m3 takes ({_show_blocks(FP8_BLOCKS)})"
+        if scale_encoding not in SCALE_ENCODINGS:
+            return "scale_encoding", (f"{scale_encoding!r} is not a scale encoding fp8_e4m3 takes "
+                                      f"({', '.join(SCALE_ENCODINGS)})")
+        return None
+    if block != FP4_BLOCK:
+        return "block", f"{_show(block)} is not the block fp4_e2m1 takes ({_show_blocks([FP4_BLOCK])})"
+    if scale_encoding != "ue8m0":
+        return "scale_encoding", f"{scale_encoding!r} is not the scale encoding fp4_e2m1 takes (ue8m0)"
+    return None
+
+
+def _show(block) -> str:
+    if isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) for b in block):
+        return f"{block[0]}x{block[1]}"
+    return repr(block)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    kind: str
+    block: tuple[int, int] | None = None
+    scale_encoding: str | None = None
+
+    def __post_init__(self):
+        problem = format_problem(self.kind, self.block, self.scale_encoding)
+        if problem:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.block is not None
+
+    @property
+    def data_dtype(self) -> str:
+        return DATA_DTYPES[self.kind]
+
+    @property
+    def scale_dtype(self) -> str | None:
+        return None if self.scale_encoding is None else SCALE_DTYPES[self.scale_encoding]
+
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a logical tensor of `shape` cannot be stored in this format, or None."""
+        if not self.quantized:
+            return None
+        if len(shape) < 2:
+            return f"shape {list(shape)} has no [out, in] axes to tile with blocks"
+        if self.kind == "fp4_e2m1" and shape[-1] % FP4_GROUP:
+            return (f"input dimension {shape[-1]} is not a multiple of 32; fp4_e2m1 packs two values a byte"
+                    " and scales whole groups of 32")
+        return None
+
+    def data_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored data tensor of a logical tensor of `shape` (fp4: two values a byte)."""
+        return shape[:-1] + (shape[-1] // 2,) if self.kind == "fp4_e2m1" else tuple(shape)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The stored scale tensor: a ceiling grid of blocks over the last two axes (None: no scale)."""
+        if not self.quantized:
+            return None
+        bm, bn = self.block
+        return tuple(shape[:-2]) + (math.ceil(shape[-2] / bm), math.ceil(shape[-1] / bn))
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Stored bytes of a logical tensor of `shape`: data plus scales."""
+        total = math.prod(self.data_shape(shape)) * getattr(torch, self.data_dtype).itemsize
+        scale = self.scale_shape(shape)
+        return total + (0 if scale is None else math.prod(scale) * getattr(torch, self.scale_dtype).itemsize)
+
+    def describe(self) -> str:
+        """`fp32`, `bf16`, `fp8_e4m3 32x32 ue8m0`, `fp4_e2m1 1x32 ue8m0`."""
+        if not self.quantized:
+            return self.kind
+        return f"{self.kind} {self.block[0]}x{self.block[1]} {self.scale_encoding}"
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind}
+        if self.quantized:
+            out.update(block=list(self.block), scale_encoding=self.scale_encoding)
+        return out
+
+    @classmethod
+    def from_json(cls, data, field: str) -> "WeightFormat":
+        """Strict: exactly {kind} or {kind, block, scale_encoding}; ValueError names `field`."""
+        if not isinstance(data, dict) or "kind" not in data or not set(data) <= {"kind", "block", "scale_encoding"}:
+            raise ValueError(f"{field}: {data!r:.200} is not {{kind}} or {{kind, block, scale_encoding}}")
+        block = data.get("block")
+        if isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block):
+            block = tuple(block)
+        elif "block" in data:
+            raise ValueError(f"{field}.block: {block!r:.200} is not [rows, columns] of positive sizes")
+        problem = format_problem(data["kind"], block, data.get("scale_encoding"))
+        if problem:
+            raise ValueError(f"{field}.{problem[0]}: {problem[1]}")
+        return cls(data["kind"], block, data.get("scale_encoding"))
+
+
+FP32 = WeightFormat("fp32")
+BF16 = WeightFormat("bf16")
+FP4_E2M1 = WeightFormat("fp4_e2m1", FP4_BLOCK, "ue8m0")
 
 
 def _is_pow2_float32(bits: torch.Tensor) -> torch.Tensor:
@@ -121,8 +269,8 @@ def scale_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int
 def check_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
     """Refuse, naming it, anything that is not a canonical FP8 block-scaled weight."""
     block = tuple(block)
-    if block not in BLOCKS:
-        raise ValueError(f"FP8 block {block} is not one of {BLOCKS}")
+    if block not in FP8_BLOCKS:
+        raise ValueError(f"FP8 block {block} is not one of {FP8_BLOCKS}")
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"an FP8 weight is a 2-d float8_e4m3fn tensor [out, in], not {weight.dtype} "
                          f"{list(weight.shape)}")
@@ -163,8 +311,8 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int], scale_encoding: 
     even. Partial edge blocks take their amax over the weights they hold.
     """
     block = tuple(block)
-    if block not in BLOCKS:
-        raise ValueError(f"FP8 block {block} is not one of {BLOCKS}")
+    if block not in FP8_BLOCKS:
+        raise ValueError(f"FP8 block {block} is not one of {FP8_BLOCKS}")
     if scale_encoding not in SCALE_ENCODINGS:
         raise ValueError(f"FP8 scale encoding {scale_encoding!r} is not one of {SCALE_ENCODINGS}")
     if w.dim() != 2:

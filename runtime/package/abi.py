@@ -32,7 +32,8 @@ DTYPES = {
     "int64": torch.int64,
     "uint8": torch.uint8,
     "bool": torch.bool,
-    # Weights in their storage formats (weight_format.py): E4M3 data, packed E2M1, UE8M0 scales.
+    # Weights in their storage formats (runtime/formats/weight_formats.py): E4M3 data, packed
+    # E2M1, UE8M0 scales.
     "float8_e4m3fn": torch.float8_e4m3fn,
     "int8": torch.int8,
     "float8_e8m0fnu": torch.float8_e8m0fnu,

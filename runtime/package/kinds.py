@@ -27,6 +27,9 @@ class Kind:
 
 
 POOLS = ("entry_pages", "index_key_pages")
+# A token id is an int32: the token_ids input's dtype, and the little-endian bytes the prefix
+# caches store and compare prompts as (runtime/prefix/keys.py).
+TOKEN_BYTES = 4
 
 
 KINDS: dict[str, Kind] = {

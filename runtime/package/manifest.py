@@ -49,10 +49,10 @@ from b12x_toolchain.runtime.parallel.mapping import Mapping
 # and packages of op set 3 are refused with the same re-export advice. 4.1 adds parallel
 # packages (ranks' graphs and weights, the mapping as data: runtime/parallel/mapping.py);
 # a package for one device is still written as 4.0. 4.2 adds weights stored in formats
-# (`weights.formats`, `weights.activation`: weight_format.py), with op set 5's quantized
-# linears; a package without them is still written as 4.0 or 4.1. 4.3 adds Engram: the
-# token_history cache and staging kinds, op set 6's engram_hash and engram_lookup, the
-# tables listed (`weights.engram_tables`) and, under tensor parallelism, split by hash head
+# (`weights.formats`, `weights.activation`: runtime/formats/weight_formats.py), with op set
+# 5's quantized linears; a package without them is still written as 4.0 or 4.1. 4.3 adds
+# Engram: the token_history cache and staging kinds, op set 6's engram_hash and engram_lookup,
+# the tables listed (`weights.engram_tables`) and, under tensor parallelism, split by hash head
 # (a split's `ranges`: runtime/parallel/mapping.py); a package without Engram is written as before.
 # 4.4 adds the tokenizer a package may carry (`tokenizer`: its files, eos and pad ids, chat
 # template or not); a package without one is written as before.

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from b12x_toolchain.runtime.errors import PackageError
-from b12x_toolchain.runtime.package.weight_format import WeightFormat
+from b12x_toolchain.runtime.formats.weight_formats import WeightFormat
 
 WHERE = "manifest.json"
 MODEL_FIELDS = ("family", "vocab_size", "max_seq_len", "noise_token_id", "confidence_threshold")
@@ -111,7 +111,7 @@ class TokenizerFacts:
 
 @dataclass(frozen=True)
 class RewriteResult:
-    """What one rewrite did to one pass's graph (the rewrite kit's PassResult)."""
+    """What one rewrite did to one pass's graph, as the manifest records it (the kit's RewriteResult, less its name and flag)."""
 
     matches: int
     nodes_before: int
@@ -173,11 +173,11 @@ class Weights:
     """Where the weights come from: a file of the package (`file`; None in a parallel package,
     whose ranks name theirs) or, `external`, a checkpoint holding `tensors`.
 
-    `formats`: the storage format (weight_format.py) of every weight not in fp32, by the
-    weight's name; its scale tensor is the name plus `_scale`. `activation`: how the quantized
-    linears treat their inputs, `none` or `deepseek` (E4M3 per token per 128 channels first).
-    Both are written only when some weight is not fp32, so an all-fp32 package reads and
-    hashes as before they existed. `engram_tables`: the weights that are Engram tables (data
+    `formats`: the storage format (runtime/formats/weight_formats.py) of every weight not in
+    fp32, by the weight's name; its scale tensor is the name plus `_scale`. `activation`: how
+    the quantized linears treat their inputs, `none` or `deepseek` (E4M3 per token per 128
+    channels first). Both are written only when some weight is not fp32, so an all-fp32
+    package reads and hashes as before they existed. `engram_tables`: the weights that are Engram tables (data
     and scales), which a session may keep in host memory (`engram_tables="host"`); written
     only when the model has Engram."""
 

@@ -123,11 +123,11 @@ def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
     from b12x_toolchain.exporter.pipeline.export import export_package
     from b12x_toolchain.exporter.recipe.dims import Dims
     from b12x_toolchain.exporter.recipe.loader import load_recipe
+    from b12x_toolchain.exporter.recipe.variants import recipe_variant
     from b12x_toolchain.runtime import load
     from benchmarks import v4_reference
     from benchmarks.registry import REGISTRY, Settings
     from benchmarks.run import table
-    from conftest import recipe_variant
 
     assert REGISTRY["v4_reference"] is v4_reference.v4_reference_benchmark
     # fp32 weights, as transformers holds them (dsv4-tiny stores V4 Instruct's formats), as the benchmark takes them

@@ -17,12 +17,13 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not
     sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
 from b12x_toolchain.exporter.pipeline.export import export_package  # noqa: E402
+from b12x_toolchain.exporter.recipe.variants import recipe_variant  # noqa: E402
 from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks import load_memory, quantized_decode  # noqa: E402
 from benchmarks.quantized_recipes import v41_release_weights  # noqa: E402
 from benchmarks.registry import Settings  # noqa: E402
 from benchmarks.run import discover, table  # noqa: E402
-from conftest import once_per_run, recipe_variant  # noqa: E402
+from conftest import once_per_run  # noqa: E402
 
 # About 30 s of its own on two busy cores: the quantized small export, two child processes.
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.4)]

@@ -21,7 +21,8 @@ from b12x_toolchain.exporter.model import weights as weights_module
 from b12x_toolchain.exporter.pipeline import export as export_module
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from conftest import SMALL, recipe_variant
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
+from conftest import SMALL
 from decode_steps import FP32_WEIGHTS
 
 BUNDLED = "dsv4-tiny, dsv41, dsv41-mini, dsv41-tiny"

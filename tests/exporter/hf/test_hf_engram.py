@@ -7,7 +7,8 @@ import copy
 
 import pytest
 
-from b12x_toolchain.exporter.hf.config import HfConfigError, engram_section, recipe_from_hf_config
+from b12x_toolchain.exporter.hf.config import HfConfigError, recipe_from_hf_config
+from b12x_toolchain.exporter.hf.config_engram import engram_section
 from b12x_toolchain.exporter.hf.names import target_of
 from b12x_toolchain.exporter.hf.quantization import weights_section
 from b12x_toolchain.exporter.recipe.loader import load_recipe

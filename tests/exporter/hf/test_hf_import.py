@@ -22,9 +22,9 @@ from b12x_toolchain.exporter.hf.config_writer import hf_config_dict
 from b12x_toolchain.exporter.model.weights import weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_from_dict, recipe_variant
 from b12x_toolchain.exporter.train.tokenizer import save_tokenizer, train_tokenizer
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
-from conftest import recipe_variant
 from hf_reference import INDEX, fp32_tiny_recipe, save_tiny_checkpoint
 
 
@@ -91,20 +91,20 @@ def expected_weights(ckpt) -> dict[str, torch.Tensor]:
 
 def test_from_hf_gives_the_bundled_tiny_recipe(config, tiny):
     doc = recipe_from_hf_config(config, tiny, "dsv4-tiny")
-    parsed = parse_recipe(yaml.safe_dump(doc, sort_keys=False))
+    parsed = recipe_from_dict(doc)
     assert parsed.normalized() == tiny.normalized()
 
 
 def test_from_hf_inverts_hf_config_dict(tiny):
     doc = recipe_from_hf_config(hf_config_dict(tiny), tiny, tiny.name)
-    assert parse_recipe(yaml.safe_dump(doc)).normalized() == tiny.normalized()
+    assert recipe_from_dict(doc).normalized() == tiny.normalized()
 
 
 def test_from_hf_sets_the_window_fusion_sites_from_the_layer_count(config, tiny):
     six = {**config, "num_hidden_layers": 6,
            "layer_types": config["layer_types"] + ["sliding_attention", "compressed_sparse_attention"],
            "mlp_layer_types": config["mlp_layer_types"] + ["moe", "moe"]}
-    recipe = parse_recipe(yaml.safe_dump(recipe_from_hf_config(six, tiny, "six", max_seq_len=2048)))
+    recipe = recipe_from_dict(recipe_from_hf_config(six, tiny, "six", max_seq_len=2048))
     assert recipe.model.compress_ratios == (0, 4, 16, 4, 0, 4, 0)
     assert recipe.model.max_seq_len == 2048
     assert recipe.rewrites[0].expect_matches == {"prefill": 0, "verify": 6, "draft": 0, "commit": 0, "decode": 0}

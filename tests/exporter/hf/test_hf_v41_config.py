@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 from click.testing import CliRunner
 
 from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.exporter.hf.config import HfConfigError, is_v41, model_fields, recipe_from_hf_config
 from b12x_toolchain.exporter.hf.config_writer import v41_config_dict
-from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
-from conftest import recipe_variant
+from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_from_dict, recipe_variant
 
 # The keys V4.1 adds to V4's config.json (CSA2, DSpark), and its Engram keys.
 V41_ADDS = {"kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id", "candidate_topk_blocks",
@@ -43,7 +42,7 @@ def config(tiny):
 
 def from_hf(config, template=None, name="dsv41-tiny", **kw):
     doc = recipe_from_hf_config(config, template, name, **kw)
-    return parse_recipe(yaml.safe_dump(doc, sort_keys=False), file=f"{name}.yaml")
+    return recipe_from_dict(doc)
 
 
 def test_the_tiny_config_states_every_v41_key(config):

@@ -11,20 +11,12 @@ import torch
 import transformers
 
 from b12x_toolchain.exporter.hf.names import target_of
-from b12x_toolchain.exporter.hf.release_layout import (
-    BF16,
-    FP4_E2M1,
-    FP32,
-    INT64,
-    NativeTensor,
-    read_release_checkpoint,
-    release_formats,
-    stack_experts,
-)
+from b12x_toolchain.exporter.hf.release_layout import INT64, NativeTensor, release_formats, stack_experts
+from b12x_toolchain.exporter.hf.release_reader import read_release_checkpoint
 from b12x_toolchain.exporter.model.weights import weight_shapes, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.runtime.formats.weight_formats import BF16, FP4_E2M1, FP32, WeightFormat
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
-from b12x_toolchain.runtime.package.weight_format import WeightFormat
 from hf_reference import fp32_tiny_recipe, save_tiny_checkpoint, tiny_v4_config, tiny_weights
 from release_checkpoint import (
     edit_config,

@@ -17,8 +17,9 @@ from b12x_toolchain.exporter.model.engram import TOKEN_MAP, table_rows
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
-from conftest import random_tokens, recipe_variant
+from conftest import random_tokens
 from exporter.model.test_v41_model import single_forward
 from release_checkpoint import write_shards
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.speculative import Decoder
-from conftest import once_per_run, random_tokens, recipe_variant
+from conftest import once_per_run, random_tokens
 from decode_steps import incremental
 
 LONG = 65_536

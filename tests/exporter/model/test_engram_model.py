@@ -19,7 +19,8 @@ from b12x_toolchain.exporter.model.engram import TOKEN_MAP, hash_primes, prefix
 from b12x_toolchain.exporter.model.engram_hashing import layer_multipliers
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
-from conftest import random_tokens, recipe_variant
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
+from conftest import random_tokens
 from decode_steps import FP32_WEIGHTS, relative_rms, single_forward
 
 LENGTH = 150  # past the window's 128, so the rows' n-grams span everything a pass sees

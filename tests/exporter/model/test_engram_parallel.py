@@ -10,10 +10,10 @@ from b12x_toolchain.exporter.model.engram import Engram, column_ranges, hash_pri
 from b12x_toolchain.exporter.model.parallel import Mesh, rank_weights, split_of
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime.errors import PackageError
 from b12x_toolchain.runtime.ops.opset import ops
 from b12x_toolchain.runtime.parallel.mapping import Split
-from conftest import recipe_variant
 
 
 def tiny_dims(tiny_recipe, tensor: int = 2) -> Dims:

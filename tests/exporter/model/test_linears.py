@@ -11,8 +11,8 @@ from b12x_toolchain.exporter.model.linears import Linears
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime.formats.weight_formats import decode_fp4, decode_fp8_block
-from conftest import recipe_variant
 
 M = "model.layers.1.mlp."
 O_A = "model.layers.0.self_attn.o_a_proj.weight"

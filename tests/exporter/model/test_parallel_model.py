@@ -18,7 +18,8 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from conftest import random_tokens, recipe_variant
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
+from conftest import random_tokens
 from decode_steps import FP32_CACHES
 from ranks import on_ranks
 

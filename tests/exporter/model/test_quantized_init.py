@@ -8,8 +8,8 @@ import torch
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, init_weights, weight_formats, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime.formats.weight_formats import decode_fp4, decode_fp8_block
-from conftest import recipe_variant
 
 SCHEME = {"activation": "deepseek", "routed_experts": "fp4_e2m1", "embeddings": "bf16", "norms": "bf16",
           # a dict of its own per role: the recipe's YAML refuses a shared (aliased) one

@@ -24,11 +24,12 @@ from b12x_toolchain.exporter.model.weights import weight_specs
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from b12x_toolchain.runtime.package.weight_binding import load_weights_bytes
 from b12x_toolchain.runtime.serving.speculative import Decoder
-from conftest import SMALL, random_tokens, recipe_variant
+from conftest import SMALL, random_tokens
 from decode_steps import FP32_CACHES, incremental, prefill
 from hf_reference import fp32_tiny_recipe, reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint

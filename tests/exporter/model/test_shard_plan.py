@@ -9,7 +9,7 @@ from b12x_toolchain.exporter.model.parallel import rank_weight_specs, rank_weigh
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from conftest import recipe_variant
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from decode_steps import FP32_WEIGHTS
 
 MAPPINGS = [{"tensor": 2}, {"expert": 2}, {"tensor": 2, "expert": 2}]

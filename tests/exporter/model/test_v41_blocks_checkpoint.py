@@ -16,7 +16,8 @@ import transformers
 from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
-from conftest import random_tokens, recipe_variant
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
+from conftest import random_tokens
 from decode_steps import FP32_CACHES, exported, prefill
 from exporter.model.test_quantized_weights import TOLERANCE, assert_speculation_equals_greedy, release_scheme
 from hf_reference import reference_logits, tiny_v4_config, tiny_weights

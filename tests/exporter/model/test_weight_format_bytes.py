@@ -11,7 +11,7 @@ from b12x_toolchain.exporter.model.parallel import rank_weight_specs, split_of, 
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, logical_specs, weight_formats
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
-from conftest import recipe_variant
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from decode_steps import FP32_WEIGHTS
 from recipe_text import TINY_TEXT
 
@@ -93,7 +93,7 @@ def test_full_size_v41_in_its_release_formats_fits_eight_ways():
     assert round(fp32["per_rank"] / GiB, 2) == 254.98 and round(fp32["per_rank_device"] / GiB, 2) == 163.43
     assert native["per_rank"] <= 1.15 * total / 8, native["per_rank"] / GiB
     assert native["per_rank"] == native["per_rank_device"] + native["per_rank_host"]
-    # The figures README.md quotes; an H200 (141 GB) holds a rank's weights either way, and with
-    # the tables on the host the device keeps what it held before Engram, give or take its projections.
+    # The figures docs/model.md and docs/deployment.md quote; an H200 (141 GB) holds a rank's weights either
+    # way, and with the tables on the host the device keeps what it held before Engram, give or take its projections.
     assert [round(native[k] / GiB, 2) for k in ("per_rank", "per_rank_device", "per_rank_host")] == [46.64, 23.04, 23.6]
     assert native["per_rank_device"] / GiB < 24

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.pipeline.reexport import differences
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime.package.checkpoint import INDEX
-from conftest import recipe_variant
 from paths import ROOT
 
 pytestmark = pytest.mark.slow(minutes=0.5)

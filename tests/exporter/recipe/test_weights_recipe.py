@@ -10,8 +10,8 @@ from b12x_toolchain.exporter.model.weight_roles import ROLES, role_of
 from b12x_toolchain.exporter.model.weights import logical_specs, weight_formats, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe, parse_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.exporter.recipe.weights import WeightsSpec
-from conftest import recipe_variant
 from decode_steps import FP32_WEIGHTS
 from paths import ROOT
 from recipe_text import TINY_TEXT, edit, line_of, parse_error

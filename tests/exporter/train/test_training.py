@@ -14,6 +14,7 @@ from b12x_toolchain.exporter.model.pass_modules import PASSES
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, init_weights, logical_specs, weight_specs
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.exporter.train import drafter, language_model
 from b12x_toolchain.exporter.train.checkpoint_writer import (
     release_tensors,
@@ -24,7 +25,6 @@ from b12x_toolchain.exporter.train.checkpoint_writer import (
 from b12x_toolchain.exporter.train.pipeline import float_recipe
 from b12x_toolchain.exporter.train.tokenizer import save_tokenizer, train_tokenizer
 from b12x_toolchain.exporter.train.training_ops import IndexerDistillation
-from conftest import recipe_variant
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LENGTH = 32

@@ -16,10 +16,11 @@ from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.exporter.compare.package_verify import verify_packages
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.package.pass_graph import TORCH, PassGraph
 from b12x_toolchain.runtime.serving.engine import Engine, passes_used
-from conftest import once_per_run, recipe_variant
+from conftest import once_per_run
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=1.1)]
 

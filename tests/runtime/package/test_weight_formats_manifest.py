@@ -10,9 +10,9 @@ import pytest
 from b12x_toolchain.exporter.compare.abi_diff import diff_manifests
 from b12x_toolchain.exporter.recipe.loader import parse_recipe
 from b12x_toolchain.runtime.errors import PackageError
+from b12x_toolchain.runtime.formats.weight_formats import WeightFormat
 from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.manifest import digest
-from b12x_toolchain.runtime.package.weight_format import WeightFormat
 from recipe_text import TINY_TEXT
 from runtime.package.manifests import contract_manifest, edited, read_back
 

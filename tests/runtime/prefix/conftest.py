@@ -11,9 +11,9 @@ import pytest
 
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest, weights_bytes
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.package.reader import Package
-from conftest import recipe_variant
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import hashlib
 
 import torch
 
+from b12x_toolchain.runtime.package.kinds import TOKEN_BYTES
 from b12x_toolchain.runtime.prefix.keys import SNAPSHOT_SCHEMA, Identity, token_bytes, token_hash
 from b12x_toolchain.runtime.prefix.snapshot import Snapshot
 
@@ -24,7 +25,7 @@ def fake_identity(tag: str = "a") -> Identity:
 
 def make_snapshot(identity: Identity, tokens, row_bytes: int = 64, capacity: int = 8, logits: bool = True) -> Snapshot:
     data = token_bytes(tokens)
-    length = len(data) // 4
+    length = len(data) // TOKEN_BYTES
     gen = torch.Generator().manual_seed(int(hashlib.sha256(identity.key.encode() + data).hexdigest()[:12], 16))
     ring_rows, append_rows = min(length, capacity), length // 2
     caches = {

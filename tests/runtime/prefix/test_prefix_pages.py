@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.prefix.cache import PrefixCache
-from conftest import once_per_run, random_tokens, recipe_variant
 
 # No slow mark: scheduled after the modules that build the 64k export, it never waits for it.
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
+from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.prefix.cache import PrefixCache
+from conftest import once_per_run, random_tokens
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PREFIX, CHUNK = 3_900, 64

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.runtime.serving.sampling import accept_sampled, draw, probabilities
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from chi_square import chi_square_p_value
-from conftest import recipe_variant
 
 VOCAB = 16
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -98,8 +98,8 @@ def test_bad_input_is_refused_and_caches_are_unchanged(primed, pass_name, values
 
 def test_positions_beyond_the_model_limit_are_refused(small_recipe, tmp_path):
     from b12x_toolchain.exporter.pipeline.export import export_package
+    from b12x_toolchain.exporter.recipe.variants import recipe_variant
     from b12x_toolchain.runtime import load
-    from conftest import recipe_variant
 
     recipe = recipe_variant(small_recipe, {"model.max_seq_len": 130})
     session = load(export_package(recipe, tmp_path).path).session(slots=1)
