@@ -82,7 +82,14 @@ def _fake(specs, max_seq_len):
     tables = PageTables(pools, {pool: {g.name: caches[g.name] for g in group} for pool, group in paged.items()}, 2, "cpu")
     tables.grow([(0, 0, LENGTH)])
     session = SimpleNamespace(package=package, slots=2, caches=caches, seq_lens=[0, 0, 0], pages=tables, device="cpu")
-    session.reset_slot = lambda slot: (session.seq_lens.__setitem__(slot, 0), tables.release_slot(slot))
+    seq_len = next(s.name for s in specs if s.info == BufferInfo("seq_len"))
+
+    def set_committed_length(slot, length):  # as Session's: the cache and its host mirror
+        caches[seq_len][slot] = length
+        session.seq_lens[slot] = length
+
+    session.set_committed_length = set_committed_length
+    session.reset_slot = lambda slot: (set_committed_length(slot, 0), tables.release_slot(slot))
     return package, session
 
 
