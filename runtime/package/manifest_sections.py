@@ -111,7 +111,8 @@ class TokenizerFacts:
 
 @dataclass(frozen=True)
 class RewriteResult:
-    """What one rewrite did to one pass's graph, as the manifest records it (the kit's RewriteResult, less its name and flag)."""
+    """What one rewrite did to one pass's graph, as the manifest records it (the rewrite kit's
+    RewriteResult, less its name and changed flag)."""
 
     matches: int
     nodes_before: int

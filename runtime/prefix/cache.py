@@ -31,6 +31,7 @@ import threading
 from dataclasses import asdict, dataclass
 
 from b12x_toolchain.runtime.errors import PagesExhausted
+from b12x_toolchain.runtime.package.kinds import TOKEN_BYTES
 from b12x_toolchain.runtime.prefix.keys import token_bytes
 from b12x_toolchain.runtime.prefix.l1 import L1Cache
 from b12x_toolchain.runtime.prefix.l2 import L2Store
@@ -116,7 +117,7 @@ class PrefixCache:
     # -- lookup ---------------------------------------------------------------------------
 
     def _find(self, prompt: bytes) -> Hit | None:
-        n = len(prompt) // 4
+        n = len(prompt) // TOKEN_BYTES
         usable = lambda s: self._usable(s.length) and (s.length < n or s.logits is not None)
         best = None
         if self.l1 is not None:
@@ -206,7 +207,7 @@ class PrefixCache:
         if self.l1 is None:
             return None
         data = token_bytes(prompt)
-        n = len(data) // 4
+        n = len(data) // TOKEN_BYTES
         snap = self.l1.peek(self.codec.identity.key, data,
                             lambda s: self._usable(s.length) and (s.length < n or s.logits is not None))
         return snap if snap is not None and snap.pages is not None else None

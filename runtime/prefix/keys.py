@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from b12x_toolchain.runtime import strict_json
 from b12x_toolchain.runtime.errors import SnapshotError
+from b12x_toolchain.runtime.package.kinds import TOKEN_BYTES
 
 SNAPSHOT_SCHEMA = 2  # 2: paged caches as whole pages. Bump when what a snapshot holds or how it is laid out changes
 KEY_PREFIX = 16  # hex digits of the identity key that L2 file names carry
@@ -75,7 +76,7 @@ def token_bytes(tokens) -> bytes:
         arr = array("i", tokens)
     except OverflowError:
         raise ValueError("token ids must fit in int32") from None
-    if arr.itemsize != 4:
+    if arr.itemsize != TOKEN_BYTES:
         raise RuntimeError("this platform's C int is not 32 bits")
     if sys.byteorder == "big":
         arr.byteswap()
@@ -100,13 +101,14 @@ def prefix_hashes(key: str, tokens: bytes, lengths) -> dict[int, str]:
     h, done, out = _hasher(key), 0, {}
     view = memoryview(tokens)
     for length in sorted(set(lengths)):
-        if not 0 <= length * 4 <= len(tokens):
-            raise ValueError(f"prefix length {length} is outside the {len(tokens) // 4} tokens given")
-        h.update(view[done * 4 : length * 4])
+        if not 0 <= length * TOKEN_BYTES <= len(tokens):
+            raise ValueError(f"prefix length {length} is outside the {len(tokens) // TOKEN_BYTES} tokens given")
+        h.update(view[done * TOKEN_BYTES : length * TOKEN_BYTES])
         done = length
         out[length] = h.copy().hexdigest()
     return out
 
 
 def token_hash(key: str, tokens: bytes) -> str:
-    return prefix_hashes(key, tokens, [len(tokens) // 4])[len(tokens) // 4]
+    count = len(tokens) // TOKEN_BYTES
+    return prefix_hashes(key, tokens, [count])[count]

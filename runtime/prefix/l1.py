@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from b12x_toolchain.runtime.package.kinds import TOKEN_BYTES
 from b12x_toolchain.runtime.prefix import keys as prefix_keys
 from b12x_toolchain.runtime.prefix.snapshot import Snapshot
 
@@ -70,7 +71,7 @@ class L1Cache:
         for length in sorted(lengths, reverse=True):
             for entry in self._buckets.get((key, length, hashes[length]), ()):
                 snap = self._lru[entry]
-                if prompt[: 4 * length] != snap.tokens:
+                if prompt[: TOKEN_BYTES * length] != snap.tokens:
                     self.stats.hash_collisions += 1
                 elif usable(snap):
                     return entry, snap
@@ -80,7 +81,7 @@ class L1Cache:
         """Longest stored snapshot of package `key` whose tokens start `prompt` and that `usable` accepts."""
         with self._lock:
             self.stats.lookups += 1
-            lengths = [n for n in self._lengths.get(key, {}) if 4 * n <= len(prompt)]
+            lengths = [n for n in self._lengths.get(key, {}) if TOKEN_BYTES * n <= len(prompt)]
             found = self._find(key, prompt, lengths, usable) if lengths else None
             if found is None:
                 self.stats.misses += 1
@@ -92,7 +93,7 @@ class L1Cache:
     def peek(self, key: str, prompt: bytes, usable: Callable[[Snapshot], bool] = lambda s: True) -> Snapshot | None:
         """What `lookup` would return, without counting it or refreshing recency."""
         with self._lock:
-            lengths = [n for n in self._lengths.get(key, {}) if 4 * n <= len(prompt)]
+            lengths = [n for n in self._lengths.get(key, {}) if TOKEN_BYTES * n <= len(prompt)]
             found = self._find(key, prompt, lengths, usable) if lengths else None
             return found[1] if found is not None else None
 

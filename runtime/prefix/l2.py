@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from b12x_toolchain.runtime.package.kinds import TOKEN_BYTES
 from b12x_toolchain.runtime.prefix import keys as prefix_keys
 from b12x_toolchain.runtime.prefix import l2_files, snapshot_file
 from b12x_toolchain.runtime.prefix.keys import KEY_PREFIX, Identity
@@ -338,8 +339,8 @@ class L2Store:
 
     def _lookup(self, identity: Identity, prompt: bytes, usable) -> Snapshot | None:
         key16 = identity.key[:KEY_PREFIX]
-        with self._lock:  # a prompt holds 4 bytes a token
-            candidates = self._index.candidates(key16, len(prompt) // 4,
+        with self._lock:
+            candidates = self._index.candidates(key16, len(prompt) // TOKEN_BYTES,
                                                 lambda name, length: name not in self._bad and usable(length))
         hashes = prefix_keys.prefix_hashes(identity.key, prompt, candidates) if candidates else {}
         for length in sorted(candidates, reverse=True):
@@ -354,7 +355,7 @@ class L2Store:
                         self._index.unpin(name)
                 if snap is None:
                     continue
-                if snap.tokens != prompt[: 4 * length]:
+                if snap.tokens != prompt[: TOKEN_BYTES * length]:
                     with self._lock:
                         self.stats.hash_collisions += 1
                     continue

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from b12x_toolchain.runtime.errors import LayoutError, SnapshotError  # noqa: F401  (re-exported)
-from b12x_toolchain.runtime.package.kinds import KINDS
+from b12x_toolchain.runtime.package.kinds import KINDS, TOKEN_BYTES
 from b12x_toolchain.runtime.prefix.keys import Identity, package_identity, token_bytes, token_hash, token_ids
 
 # Attention window rings: the rotating caches of the capability flags.
@@ -216,7 +216,7 @@ class SnapshotCodec:
         """
         self._check_session(session, slot)
         data = token_bytes(tokens)
-        length = len(data) // 4
+        length = len(data) // TOKEN_BYTES
         stored = int(session.caches[self.seq_len][slot])
         if not 1 <= length == session.seq_lens[slot] == stored:
             raise SnapshotError(f"slot {slot} holds {session.seq_lens[slot]} committed tokens "
@@ -264,9 +264,9 @@ class SnapshotCodec:
         """Raise SnapshotMismatch unless `snap` fits this package exactly."""
         if snap.identity.key != self.identity.key or snap.identity.fields != self.identity.fields:
             raise SnapshotMismatch("snapshot was made for another package (recipe, weights, op set or cache formats)")
-        if not 1 <= snap.length <= self.max_seq_len or len(snap.tokens) != 4 * snap.length:
+        if not 1 <= snap.length <= self.max_seq_len or len(snap.tokens) != TOKEN_BYTES * snap.length:
             raise SnapshotMismatch(f"snapshot length {snap.length} does not fit max_seq_len {self.max_seq_len} "
-                                   f"or its {len(snap.tokens) // 4} tokens")
+                                   f"or its {len(snap.tokens) // TOKEN_BYTES} tokens")
         by_reference = snap.pages is not None
         if by_reference and snap.pages.released:
             raise SnapshotError("the snapshot's pages were released; it cannot be hydrated")

@@ -30,6 +30,7 @@ import struct
 import torch
 
 from b12x_toolchain.runtime import strict_json
+from b12x_toolchain.runtime.package.kinds import TOKEN_BYTES
 from b12x_toolchain.runtime.prefix.keys import SNAPSHOT_SCHEMA, Identity, token_hash
 from b12x_toolchain.runtime.prefix.snapshot import Snapshot
 
@@ -228,7 +229,7 @@ def decode(buf, identity: Identity, digests: bytes | None = None, pool=None) -> 
 
     if "tokens" not in table or table["tokens"][1:3] != (torch.int32, [length]):
         raise CorruptSnapshot(f"tokens tensor does not hold {length} ids")
-    tokens = bytes(memoryview(buf)[8 + size + table["tokens"][0] :][: 4 * length])
+    tokens = bytes(memoryview(buf)[8 + size + table["tokens"][0] :][: TOKEN_BYTES * length])
     if token_hash(identity.key, tokens) != hashed:
         raise CorruptSnapshot("token ids do not match the recorded token hash")
     if "logits" in table and (table["logits"][1] != torch.float32 or len(table["logits"][2]) != 1):
