@@ -43,7 +43,7 @@ class OnDevice:
     device and shape, never its values: reading them would wait for the device. Taken for
     token_ids only: slots, positions, counts and block tables drive host-side bookkeeping."""
 
-    KINDS = ("token_ids",)
+    ACCEPTED_KINDS = ("token_ids",)
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -156,8 +156,8 @@ def validate_inputs(session, info, values: dict) -> dict[str, list | OnDevice]:
 def _device_value(kind: str, value: OnDevice, device) -> tuple:
     """The shape of an OnDevice value, after checking what can be checked without reading it."""
     tensor = value.tensor
-    if kind not in OnDevice.KINDS:
-        raise InputError(f"{kind}: given OnDevice; only {list(OnDevice.KINDS)} may be (the session reads "
+    if kind not in OnDevice.ACCEPTED_KINDS:
+        raise InputError(f"{kind}: given OnDevice; only {list(OnDevice.ACCEPTED_KINDS)} may be (the session reads "
                          f"{kind} on the host)")
     if not isinstance(tensor, torch.Tensor) or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
         raise InputError(f"{kind}: OnDevice holds {getattr(tensor, 'dtype', type(tensor).__name__)}; "
