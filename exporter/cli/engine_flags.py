@@ -40,12 +40,10 @@ ENGINE_FLAGS = (
     click.option("--threads", type=click.IntRange(min=1),
                  help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine."),
 )
-NAMES = ("device", "slots", "pages", "cache_bytes", "greedy", "temperature", "top_p", "seed", "prefix_cache_bytes",
-         "prefix_cache_dir", "compiled", "threads")
 
 
 def engine_flags(command):
-    """Decorate a click command with the engine's flags (its function takes them by NAMES)."""
+    """Decorate a click command with the engine's flags; its function takes them as **flags, for engine_options."""
     for flag in reversed(ENGINE_FLAGS):
         command = flag(command)
     return command

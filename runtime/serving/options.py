@@ -8,7 +8,7 @@ shared head of a chat's turns, is restored from a snapshot instead of prefilled 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
@@ -32,10 +32,6 @@ class EngineOptions:
         problems = check_options(self)
         if problems:
             raise ValueError("; ".join(problems))
-
-    def describe(self) -> dict:
-        """The options as plain data (what a test compares across front ends)."""
-        return {k: v for k, v in asdict(self).items() if k != "capture"}
 
 
 def check_options(options: EngineOptions) -> list[str]:

@@ -1,7 +1,7 @@
 """The server's text: the package's tokenizer (`Package.tokenizer`, a TextCodec, as `b12x run`
 uses it), or none, when the server serves token ids only and answers text with a 400
-(errors.NO_TOKENIZER). `AnswerText` turns the tokens a request gets, update by update, into the text and token
-ids to send, cut at the first stop string.
+(errors.NO_TOKENIZER). `AnswerText` turns the tokens a request gets, update by update, into
+the text and token ids to send, cut at the first stop string.
 """
 
 from __future__ import annotations
