@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from b12x_toolchain.runtime.serving import engine as engine_module
+from b12x_toolchain.runtime.serving import executor as executor_module
 from b12x_toolchain.runtime.session import transfers
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
 
@@ -73,7 +73,7 @@ def no_host_sync(allow: tuple[str, ...] = ()):
     patches.append((torch, "nonzero", guard._wrap("nonzero", torch.nonzero)))
     patches.append((GraphRunner, "replay", guard._suspending(GraphRunner.replay, "replays")))
     download = guard._suspending(transfers.download, "downloads")
-    patches += [(transfers, "download", download), (engine_module, "download", download)]
+    patches += [(transfers, "download", download), (executor_module, "download", download)]
     saved = [(owner, name, owner.__dict__.get(name, _INHERITED)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
