@@ -1,9 +1,11 @@
 """This project and FlashInfer installed in one fresh environment, as a new user gets them.
 
 flashinfer-python's wheel ships a top-level `b12x` package (a shim onto its own kernels), the
-name this project once imported as. Each side-by-side test makes a fresh venv, installs both
-real wheels in one order, and checks that neither touched the other's files and that both still
-work. Another installs this project's wheel alone and runs it with the repository root as the
+name this project once imported as. One fresh venv gets both real wheels, FlashInfer first (the
+order a vLLM environment has), and the test checks that the two wheels' files are disjoint,
+that neither touched the other's files and that both still work. Disjoint files make the order
+moot: whichever wheel comes second has no file of the first to write over, so the other order
+would check nothing more. The same venv then runs this project with the repository root as the
 working directory, where a checkout's folders come first on sys.path.
 torch and the other dependencies come from the dev venv through a .pth file, because
 installing them into every fresh venv would take minutes.
@@ -32,7 +34,7 @@ from packaging.utils import canonicalize_name
 from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN
 from paths import ROOT
 
-pytestmark = pytest.mark.slow(minutes=0.7)  # the module's time on two busy cores: longest runs first
+pytestmark = pytest.mark.slow(minutes=0.4)  # the module's time on two busy cores: longest runs first
 
 OURS = "b12x_toolchain"  # the dist-info prefix of b12x-toolchain
 FLASHINFER = "flashinfer_python"  # the dist-info prefix of flashinfer-python
@@ -74,10 +76,12 @@ def flashinfer_wheel(tmp_path_factory) -> Path:
 def project_wheel(tmp_path_factory) -> Path:
     # Built from a copy of the tree: setuptools writes build/ and *.egg-info beside the sources,
     # and a build/lib left from an earlier build would carry deleted modules into this wheel.
+    # The ignored folders hold nothing the wheel takes, and .venv-clients (the client tests'
+    # venvs) is over a gigabyte.
     source = tmp_path_factory.mktemp("source") / "b12x-toolchain"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist", "*.egg-info",
-        "out", "*.b12x"))
+        ".git", ".venv*", ".hypothesis", ".pytest_cache", ".ruff_cache", "__pycache__", "build", "dist",
+        "*.egg-info", "out", "*.b12x"))
     wheel_dir = tmp_path_factory.mktemp("project-wheel")
     run_quietly(sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
                 "-w", wheel_dir, source)
@@ -157,11 +161,14 @@ def imported_from(venv: FreshVenv, cwd: Path) -> Path:
     return Path(imported["file"]).resolve()
 
 
-@pytest.mark.parametrize("install_order", [("flashinfer", "ours"), ("ours", "flashinfer")],
-                         ids=["flashinfer-first", "ours-first"])
-def test_installs_side_by_side(install_order, flashinfer_wheel, project_wheel, small_recipe, tmp_path):
-    wheels = {"flashinfer": flashinfer_wheel, "ours": project_wheel}
-    venv = fresh_venv(tmp_path, *(wheels[name] for name in install_order))
+@pytest.fixture(scope="module")
+def side_by_side(flashinfer_wheel, project_wheel, tmp_path_factory) -> FreshVenv:
+    """A fresh venv with FlashInfer's wheel installed, then this project's."""
+    return fresh_venv(tmp_path_factory.mktemp("side-by-side"), flashinfer_wheel, project_wheel)
+
+
+def test_installs_side_by_side(side_by_side, small_recipe, tmp_path):
+    venv = side_by_side
     site_packages = venv.site_packages
     # A cwd outside the repository: it may not put the sources on sys.path either.
     in_venv = dict(cwd=tmp_path, env=venv.env)
@@ -175,20 +182,19 @@ def test_installs_side_by_side(install_order, flashinfer_wheel, project_wheel, s
     assert damaged_files(theirs) == []
     assert damaged_files(ours) == []
 
-    if install_order[0] == "flashinfer":  # once, on the order a vLLM environment has
-        b12x = venv.scripts / "b12x"
-        recipe = tmp_path / "small.yaml"  # two layers: half the bundled tiny recipe's export
-        recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
-        run_quietly(b12x, "export", "--recipe", recipe, "--out", tmp_path / "out", **in_venv)
-        run_quietly(b12x, "run", tmp_path / "out" / f"{small_recipe.name}.b12x", "--prompt-ids", "1,2,3,4",
-                    "--max-new-tokens", "4", **in_venv)
+    b12x = venv.scripts / "b12x"
+    recipe = tmp_path / "small.yaml"  # two layers: half the bundled tiny recipe's export
+    recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
+    run_quietly(b12x, "export", "--recipe", recipe, "--out", tmp_path / "out", **in_venv)
+    run_quietly(b12x, "run", tmp_path / "out" / f"{small_recipe.name}.b12x", "--prompt-ids", "1,2,3,4",
+                "--max-new-tokens", "4", **in_venv)
 
 
-def test_a_wheel_install_works_from_the_repository_root(project_wheel, tmp_path):
+def test_a_wheel_install_works_from_the_repository_root(side_by_side):
     # `python -c`, `python -m` (how torchrun starts the ranks of `b12x run --nproc`) and the REPL
     # put the working directory first on sys.path: run from a checkout's root, no folder there
     # may shadow the installed import root.
-    venv = fresh_venv(tmp_path, project_wheel)
+    venv = side_by_side
     assert imported_from(venv, ROOT).is_relative_to(venv.site_packages)
     in_root = dict(cwd=ROOT, env=venv.env)
     run_quietly(venv.python, "-m", "b12x_toolchain.exporter.cli.main", "--help", **in_root)

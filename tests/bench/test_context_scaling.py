@@ -1,8 +1,10 @@
 """The context_scaling benchmark works at a reduced size: its rows are well formed.
 
-The full benchmark exports dsv41-tiny four times (max_seq_len 1k to 1M); here the shared
-small package (1k) is compared with a 4k variant of it exported once, and the indexer runs
-at small committed lengths. Nothing here asserts a speed.
+The full benchmark exports dsv41-tiny four times (max_seq_len 1k to 1M); here two of the
+run's shared exports stand in for two of them: the tiny package (1k) and its 64k variant,
+the very recipe `variant` makes (test_context_independence and test_prefix_pages use it
+too), so nothing is exported for this module alone. The indexer runs at small committed
+lengths. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ from paths import ROOT
 if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
     sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
+from b12x_toolchain.exporter.pipeline.export import export_package  # noqa: E402
 from b12x_toolchain.exporter.recipe.dims import Dims  # noqa: E402
 from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks import context_scaling as cs  # noqa: E402
 from benchmarks.registry import REGISTRY, Settings  # noqa: E402
+from conftest import once_per_run  # noqa: E402
 
-pytestmark = [pytest.mark.slow(minutes=0.3), pytest.mark.usefixtures("one_torch_thread")]
+# Its own time is seconds: the two packages are the run's shared exports, built by the modules
+# scheduled before it.
+pytestmark = [pytest.mark.slow(minutes=0.1), pytest.mark.usefixtures("one_torch_thread")]
 
 ONE_ROUND = Settings(repeat=1, warmup=0)
 
@@ -50,24 +56,43 @@ def test_registered_and_variants_differ_only_in_max_seq_len(tiny_recipe):
     assert max(cs.INDEXER_COMMITTED) <= cs.INDEXER_CAPACITIES[0]
 
 
-def test_model_rows_at_1k_and_4k(small_recipe, small_path, tmp_path, monkeypatch):
-    recipe_4k = cs.variant(small_recipe, 4096)
-    weights = cs.shared_weights([small_recipe, recipe_4k])
-    path = cs.package_path(recipe_4k, tmp_path, weights, jobs=1)
-    pkg_4k = load(path)
+LONG = 1 << 16
 
-    def no_export(*args, **kwargs):
-        raise AssertionError("the package in the directory should have been reused")
 
-    monkeypatch.setattr(cs, "export_package", no_export)
-    assert cs.package_path(recipe_4k, tmp_path, weights, jobs=1) == path  # as `--exports DIR` reuses it
+@pytest.fixture(scope="module")
+def long_path(tiny_recipe, run_dir):
+    """The tiny recipe at max_seq_len 64k, with its own weights: the run's shared "long" export."""
+    recipe = cs.variant(tiny_recipe, LONG)
+    assert recipe.name == "dsv41-tiny-64k"  # the name the other users of the export give it
+    return once_per_run(run_dir, "long", lambda out: export_package(recipe, out).path)
 
-    rows = cs.model_cases([load(small_path), pkg_4k], ONE_ROUND)
+
+def test_an_export_in_the_directory_is_reused_and_a_missing_one_made(tiny_recipe, long_path, tmp_path, monkeypatch):
+    recipe = cs.variant(tiny_recipe, LONG)
+    weights = cs.shared_weights([tiny_recipe, recipe])
+    made = []
+
+    def export(exported, out, **options):  # export_package, as package_path calls it
+        made.append((exported.name, out, options["weights"] is weights, options["jobs"]))
+        return SimpleNamespace(path=out / f"{exported.name}.b12x")
+
+    monkeypatch.setattr(cs, "export_package", export)
+    # As `--exports DIR` leaves it: DIR/NAME/NAME.b12x, the fused package of the very recipe.
+    (tmp_path / recipe.name).symlink_to(long_path.parent, target_is_directory=True)
+    assert cs.package_path(recipe, tmp_path, weights, jobs=1) == tmp_path / recipe.name / long_path.name
+    assert made == []
+    other = cs.variant(tiny_recipe, 4096)  # nothing of it in the directory: exported there
+    assert cs.package_path(other, tmp_path, weights, jobs=3) == tmp_path / other.name / f"{other.name}.b12x"
+    assert made == [(other.name, tmp_path / other.name, True, 3)]
+
+
+def test_model_rows_at_1k_and_64k(fused_pkg, long_path):
+    rows = cs.model_cases([fused_pkg, load(long_path)], ONE_ROUND)
     assert [m.benchmark for m in rows] == ["context_scaling.verify", "context_scaling.draft",
                                            "context_scaling.prefill_chunk"]
     for m in rows:
-        check_row(m, m.benchmark, "4k vs 1k", ("max_seq_len 1k", "max_seq_len 4k"))
-        assert m.params["max_seq_len"] == [1024, 4096]
+        check_row(m, m.benchmark, "64k vs 1k", ("max_seq_len 1k", "max_seq_len 64k"))
+        assert m.params["max_seq_len"] == [1024, LONG]
         assert m.params["outputs_identical"] is True  # checked before timing: same tokens and outputs
         small_bytes, large_bytes = m.params["slot_cache_bytes"]
         assert 0 < small_bytes < large_bytes

@@ -94,6 +94,7 @@ def test_the_cuda_rows_logic_holds_on_cpu_sessions(qualified, monkeypatch):
 
     out = qualified[0]
     monkeypatch.setattr(gpu_decode.Run, "needs_cuda", lambda self: None)
+    monkeypatch.setattr(gpu_decode, "TIMED_ROUNDS", 1)  # one round of each: the ratio is only reported
     run = gpu_decode.Run(next((out / "packages" / "mini").glob("*.b12x")), "cpu",
                          json.loads((out / "expect.json").read_text()), quick=False)
     assert gpu_decode.graph_vs_eager_tokens(run)[0]

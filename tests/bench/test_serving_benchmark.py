@@ -1,7 +1,8 @@
 """The serving benchmark runs and reports every case, well formed; it never asserts a speed.
 
-It runs in-process on the session's tiny package (the runner would export its own, which
-takes longer than the benchmark itself at one round).
+It runs in-process on the session's small package (the runner would export its own, which
+takes longer than the benchmark itself at one round): every case drives the engine the same
+way on any package, and two layers replay in about half the tiny recipe's time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from paths import ROOT  # noqa: E402
 if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
     sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
+from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks.registry import Settings  # noqa: E402
 from benchmarks.run import discover, table  # noqa: E402
 from benchmarks.serving import CONCURRENCY, measure  # noqa: E402
@@ -22,9 +24,9 @@ from benchmarks.serving import CONCURRENCY, measure  # noqa: E402
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.3)]
 
 
-def test_serving_benchmark_reports_speculation_and_concurrency(fused_pkg):
+def test_serving_benchmark_reports_speculation_and_concurrency(small_path):
     assert "serving" in discover()
-    results = measure(fused_pkg, Settings(repeat=1, warmup=0))
+    results = measure(load(small_path), Settings(repeat=1, warmup=0))
     cases = [(m.benchmark, m.case) for m in results]
     assert cases == [("serving.speculative_vs_plain", "1 request, drafts = greedy continuation")] + [
         ("serving.concurrency", f"{n} concurrent") for n in CONCURRENCY]

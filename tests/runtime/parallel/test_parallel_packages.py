@@ -2,7 +2,9 @@
 before any replay (a missing group, a wrong world size or rank, a peer that does not answer).
 
 On the small recipe (two layers, tensor 2 and expert 2 over two ranks), exported with
-weights and structurally (fake weights, on the fake process group) from a checkpoint.
+weights and structurally (fake weights, on the fake process group) from a checkpoint. The
+structural export is `b12x export --weights none --weights-index`, whose report names every
+rank's passes.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import yaml
+from click.testing import CliRunner
 
+from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.exporter.model.engram import row_ranges
 from b12x_toolchain.exporter.model.parallel import rank_weights
-from b12x_toolchain.exporter.model.weights import init_weights, weight_shapes
-from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums, write_checkpoint
-from b12x_toolchain.exporter.pipeline.export import export_package
+from b12x_toolchain.exporter.model.weights import init_weights
+from b12x_toolchain.exporter.pipeline.checkpoint_index import write_checkpoint
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.errors import PackageError
@@ -51,13 +56,33 @@ def packed(small_parallel_path):
 
 
 @pytest.fixture(scope="module")
-def structural(recipe, checkpoint, tmp_path_factory):
-    checksums = index_checksums(checkpoint, weight_shapes(Dims.from_recipe(recipe)))
-    return export_package(recipe, tmp_path_factory.mktemp("structural"), structural=True, checksums=checksums).path
+def exported_structurally(recipe, checkpoint, tmp_path_factory):
+    """The command line's structural export of the recipe (one pass at a time, as export_package
+    with structural=True and the checkpoint's checksums): its report, and the package."""
+    folder = tmp_path_factory.mktemp("structural")
+    source = folder / "parallel.yaml"
+    source.write_text(yaml.safe_dump(recipe.normalized()))
+    result = CliRunner().invoke(main, ["export", "--recipe", str(source), "--weights", "none", "--weights-index",
+                                       str(checkpoint), "--out", str(folder / "out")], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output, folder / "out" / f"{recipe.name}.b12x"
+
+
+@pytest.fixture(scope="module")
+def structural(exported_structurally):
+    return exported_structurally[1]
 
 
 def manifest(path):
     return json.loads((path / "manifest.json").read_text())
+
+
+def test_export_reports_every_ranks_passes(exported_structurally, recipe):
+    output, structural = exported_structurally
+    for rank in range(2):
+        for name in recipe.pass_names:
+            assert f"captured {name} (rank {rank}) in " in output
+    assert (structural / "ranks" / "1" / "graphs" / "verify.pt2").is_file()
 
 
 def test_every_rank_has_its_graphs_and_shards(packed, structural, recipe):
@@ -105,10 +130,6 @@ def _two_ranks(rank, packed, structural, checkpoint, done):
     return bound, refused
 
 
-def _alone(rank, packed):
-    return _refusal(lambda: load(packed, rank=rank))
-
-
 def _refusal(call):
     try:
         call()
@@ -132,7 +153,7 @@ def test_each_rank_binds_its_shards_from_the_package_or_a_whole_checkpoint(two_r
         assert stored["lm_head.weight"].shape[0] == d.vocab // 2
 
 
-def test_a_rank_is_refused_before_any_replay(packed, small_path, two_ranks):
+def test_a_rank_is_refused_before_any_replay(packed, small_path, two_ranks, tmp_path):
     with pytest.raises(PackageError, match=r"exported for tensor 2, expert 2 \(world size 2\); load it in each "
                                            r"rank's process with load\(path, rank=R\)"):
         load(packed)
@@ -143,8 +164,14 @@ def test_a_rank_is_refused_before_any_replay(packed, small_path, two_ranks):
         load(packed, rank=2)
     with pytest.raises(PackageError, match="rank 1: the package was exported for one device"):
         load(small_path, rank=1)
-    [alone] = on_ranks(_alone, 1, packed)
-    assert "this process's default group has world size 1; the package was exported for world size 2" in alone
+    # A default group of one, in this process (no rank process to start for it), gone after.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(PackageError, match="this process's default group has world size 1; the package was "
+                                               "exported for world size 2"):
+            load(packed, rank=0)
+    finally:
+        dist.destroy_process_group()
     (_, (swapped, missing)), (_, (swapped_1,)) = two_ranks
     assert "this process is rank 0 of its default group, not rank 1" in swapped
     assert "this process is rank 1 of its default group, not rank 0" in swapped_1
@@ -177,10 +204,6 @@ def test_a_tampered_rank_file_is_refused(packed, tmp_path):
 
 
 def test_a_rank_loads_for_inspection_without_its_group_but_does_not_run(packed):
-    from click.testing import CliRunner
-
-    from b12x_toolchain.exporter.cli.main import main
-
     pkg = load(packed, rank=1, join_group=False)
     assert (pkg.rank, pkg.mapping.world_size) == (1, 2)
     assert collective_counts(pkg.passes["verify"].program.graph)["all_reduce"] > 0

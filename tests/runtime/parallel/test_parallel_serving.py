@@ -20,11 +20,12 @@ import torch
 from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.dims import Dims
+from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from b12x_toolchain.runtime.serving.speculative import Decoder
-from conftest import random_tokens, recipe_variant
+from conftest import random_tokens
 from decode_steps import incremental
 from ranks import on_ranks
 
