@@ -3,9 +3,14 @@ checks, turned into the EngineOptions (runtime/serving/options.py) the loader AP
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import click
 
-from b12x_toolchain.runtime.serving.options import DEFAULT_PREFIX_CACHE_BYTES, EngineOptions
+from b12x_toolchain.runtime.serving.options import DEFAULT_PREFIX_CACHE_BYTES, EngineOptions, check_options
+
+FLAG_NAMES = {"pages": "--pages", "cache_bytes": "--cache-bytes", "greedy": "--greedy",
+              "temperature": "--temperature", "prefix_cache_bytes": "--prefix-cache-bytes"}
 
 ENGINE_FLAGS = (
     click.option("--device", default="cpu", show_default=True,
@@ -52,19 +57,15 @@ def engine_flags(command):
 def engine_options(flags: dict) -> EngineOptions:
     """The EngineOptions of the flags' values; a combination that cannot work is a usage error,
     before anything loads. Sets torch's thread count when --threads is given."""
-    if flags["greedy"] and flags["temperature"] > 0:
-        raise click.UsageError("--greedy decodes greedily; it cannot be combined with --temperature above 0")
-    if flags["pages"] is not None and flags["cache_bytes"] is not None:
-        raise click.UsageError("--pages and --cache-bytes both size the paged caches; give one of them")
     options = dict(device=flags["device"], slots=flags["slots"], pages=flags["pages"],
                    cache_bytes=flags["cache_bytes"], speculative=not flags["greedy"],
                    temperature=flags["temperature"], top_p=flags["top_p"], seed=flags["seed"],
                    prefix_cache_bytes=flags["prefix_cache_bytes"], prefix_cache_dir=flags["prefix_cache_dir"],
                    compile=flags["compiled"])
-    try:
-        built = EngineOptions(**options)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    problems = check_options(SimpleNamespace(**options), FLAG_NAMES)  # said as flags, before EngineOptions says it
+    if problems:
+        raise click.UsageError("; ".join(problems))
+    built = EngineOptions(**options)
     if flags["threads"] is not None:
         import torch
 

@@ -34,19 +34,25 @@ class EngineOptions:
             raise ValueError("; ".join(problems))
 
 
-def check_options(options: EngineOptions) -> list[str]:
-    """What is wrong with a combination of options, each naming the values."""
+FIELD_NAMES = {"pages": "pages", "cache_bytes": "cache_bytes", "greedy": "speculative=False",
+               "temperature": "temperature", "prefix_cache_bytes": "prefix_cache_bytes"}
+
+
+def check_options(options, names: dict = FIELD_NAMES) -> list[str]:
+    """What is wrong with a combination of options, each naming the values; `names` spells the
+    options as the caller knows them (the CLI: its flags)."""
     problems = []
     if options.pages is not None and options.cache_bytes is not None:
-        problems.append(f"pages ({options.pages}) and cache_bytes ({options.cache_bytes}) both size the paged "
-                        "caches; give one of them")
+        problems.append(f"{names['pages']} ({options.pages}) and {names['cache_bytes']} ({options.cache_bytes}) "
+                        "both size the paged caches; give one of them")
     if not options.speculative and options.temperature > 0:
-        problems.append(f"plain greedy decoding cannot sample at temperature {options.temperature}; "
-                        "decode speculatively to sample")
+        problems.append(f"{names['greedy']} decodes greedily; it cannot be combined with {names['temperature']} "
+                        f"above 0 (got {options.temperature})")
     if options.prefix_cache_bytes < 0:
-        problems.append(f"prefix_cache_bytes must be >= 0, got {options.prefix_cache_bytes}")
+        problems.append(f"{names['prefix_cache_bytes']} must be >= 0, got {options.prefix_cache_bytes}")
     if options.prefix_cache_dir is not None and options.prefix_cache_bytes == 0:
-        problems.append(f"a prefix cache directory ({options.prefix_cache_dir}) needs prefix_cache_bytes above 0")
+        problems.append(f"a prefix cache directory ({options.prefix_cache_dir}) needs "
+                        f"{names['prefix_cache_bytes']} above 0")
     return problems
 
 

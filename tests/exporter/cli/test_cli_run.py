@@ -111,7 +111,7 @@ def test_run_refuses_contradictory_options(fused_path):
     result = invoke(fused_path, "--prompt-ids", "1", "--greedy", "--temperature", 0.5)
     assert result.exit_code == 2 and "cannot be combined with --temperature" in result.output
     result = invoke(fused_path, "--prompt-ids", "1", "--pages", 4, "--cache-bytes", 1000)
-    assert result.exit_code == 2 and "--pages and --cache-bytes both size the paged caches" in result.output
+    assert result.exit_code == 2 and "--pages (4) and --cache-bytes (1000) both size the paged caches" in result.output
 
 
 def test_run_refuses_a_request_that_can_never_fit(fused_path):

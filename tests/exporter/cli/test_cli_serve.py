@@ -23,7 +23,7 @@ def test_bad_options_fail_cleanly(tmp_path, fused_path):
     result = CliRunner().invoke(main, ["serve", str(tmp_path / "missing.b12x")])
     assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(main, ["serve", str(fused_path), "--pages", "4", "--cache-bytes", "4096"])
-    assert result.exit_code == 2 and "give one of them" in result.output
+    assert result.exit_code == 2 and "--pages (4) and --cache-bytes (4096) both size the paged caches; give one of them" in result.output
     result = CliRunner().invoke(main, ["serve", str(tmp_path)])  # a folder that is no package
     assert result.exit_code == 1 and result.output.startswith("error: ") and "Traceback" not in result.output
 

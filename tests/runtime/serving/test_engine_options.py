@@ -71,7 +71,7 @@ def test_the_defaults_are_one_set_with_the_prefix_cache_on(fused_path, built):
 def test_options_that_cannot_work_are_refused_by_name():
     with pytest.raises(ValueError, match=r"pages \(4\) and cache_bytes \(4096\)"):
         EngineOptions(pages=4, cache_bytes=4096)
-    with pytest.raises(ValueError, match="temperature 0.5"):
+    with pytest.raises(ValueError, match=r"speculative=False decodes greedily; it cannot be combined with temperature above 0 \(got 0.5\)"):
         EngineOptions(speculative=False, temperature=0.5)
     with pytest.raises(ValueError, match="prefix_cache_bytes above 0"):
         EngineOptions(prefix_cache_bytes=0, prefix_cache_dir="snapshots")
