@@ -4,19 +4,24 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 # The FlashInfer whose DeepSeek V4.1 records the caches follow (runtime/formats/dsv41.py's
 # FLASHINFER_PIN; a test checks). The cuda extra does not pin it: the tests load its reference
-# encoder, so it is installed here, without its CUDA-only dependencies and without
-# byte-compiling its ~14,000 modules.
+# encoder, so it is installed here, without its CUDA-only dependencies.
 FLASHINFER ?= flashinfer-python==0.7.4
+UV_PIN ?= uv==0.13.9
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.b12x-installed
 
 .PHONY: setup demo test test-fast bench clean
 
+# torch comes from pip (the index it is configured with); the rest from uv, which installs what
+# torch's presence leaves to do in seconds where pip took a minute. Nothing is byte-compiled up
+# front: Python compiles a module the first time it is imported, and most never are.
+UV := $(BIN)/uv pip install -q --python $(BIN)/python
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps --no-compile "$(FLASHINFER)"
+	$(BIN)/python -m pip install -q --no-compile "$(TORCH)" "$(UV_PIN)"
+	$(UV) -e '.[dev]'
+	$(UV) --no-deps "$(FLASHINFER)"
 	touch $(STAMP)
 
 setup: $(STAMP)
