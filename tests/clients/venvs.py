@@ -44,7 +44,7 @@ CLIENTS = {
 # finds them installed (their dependencies it installs itself). GuideLLM imports torch for its
 # data loader only; a second copy would cost 1.5 GB and a minute or two of unpacking.
 LINKED = {"guidellm": ("torch",)}
-INSTALL_TIMEOUT_S = 900  # one venv's creation, pip included; a warm pip cache takes a minute or two
+INSTALL_TIMEOUT_S = 900  # one venv's creation, its install included (seconds from a warm uv cache)
 STAMP = ".client-installed.json"
 
 
@@ -104,8 +104,9 @@ def client_venv(name: str) -> Path:
         _run([uv, "venv", "-q", "--python", "python3", folder], deadline, f"making the {name} venv")
         for package in LINKED.get(name, ()):
             _link(package, folder)
-        _run([uv, "pip", "install", "-q", "--python", folder / "bin" / "python", *CLIENTS[name]], deadline,
-             f"installing {name}")
+        # Compiled now: where PYTHONDONTWRITEBYTECODE is set, each client run would compile it all again.
+        _run([uv, "pip", "install", "-q", "--compile-bytecode", "--python", folder / "bin" / "python",
+              *CLIENTS[name]], deadline, f"installing {name}")
         (folder / STAMP).write_text(json.dumps(stamp))
     return folder
 
