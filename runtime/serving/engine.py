@@ -55,11 +55,6 @@ class Engine:
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
         if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-        self.top_p = float(top_p)
-        if not (isinstance(temperature, (int, float)) and temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
         self.session, self.speculative, self.drafter, self.prefix_cache = session, speculative, drafter, prefix_cache
         self.sampling = Sampling(float(temperature), float(top_p), seed)
         package = session.package
