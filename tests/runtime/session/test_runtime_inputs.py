@@ -96,14 +96,14 @@ def test_bad_input_is_refused_and_caches_are_unchanged(primed, pass_name, values
         assert torch.equal(tensor, before[name]), name
 
 
-def test_positions_beyond_the_model_limit_are_refused(small_recipe, tmp_path):
-    from b12x_toolchain.exporter.pipeline.export import export_package
-    from b12x_toolchain.exporter.recipe.variants import recipe_variant
+def test_positions_beyond_the_model_limit_are_refused(small_path):
     from b12x_toolchain.runtime import load
 
-    recipe = recipe_variant(small_recipe, {"model.max_seq_len": 130})
-    session = load(export_package(recipe, tmp_path).path).session(slots=1)
-    decoder = Decoder(session)
-    decoder.prefill(0, list(range(1, 126)))
-    with pytest.raises(InputError, match=r"positions: value 133 is out of range; expected positions \+ width"):
-        session.replay("verify", token_ids=[[1] * 8], slot_ids=[0], positions=[125])
+    package = load(small_path)
+    limit = package.manifest.model.max_seq_len
+    session = package.session(slots=1)
+    # A slot five tokens short of the limit (as if prefilled that far): a verify of 8 rows would
+    # write past it.
+    session.set_committed_length(0, limit - 5)
+    with pytest.raises(InputError, match=rf"positions: value {limit + 3} is out of range; expected positions \+ width"):
+        session.replay("verify", token_ids=[[1] * 8], slot_ids=[0], positions=[limit - 5])
