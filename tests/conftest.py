@@ -8,6 +8,7 @@ of the run share, and read by the others (exports are byte-identical across proc
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from b12x_toolchain.runtime import load
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
 # shared one, or one its module exports itself) or a child process (torch's import alone
 # takes seconds). `make test-fast` leaves out what carries the `exports` marker.
-EXPORT_FIXTURES = {"small_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
+EXPORT_FIXTURES = {"small_path", "small_release_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
                    "small_parallel_path", "fp32_path"}
 COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(", "on_ranks(")  # on_ranks: a process per rank
 
@@ -153,6 +154,20 @@ def shipped_path(run_dir):
 @pytest.fixture(scope="session")
 def small_path(small_recipe, run_dir):
     return once_per_run(run_dir, "small", lambda out: export_package(small_recipe, out).path)
+
+
+@pytest.fixture(scope="session")
+def small_release_path(small_recipe, run_dir):
+    """The small recipe in the V4.1 release's weight formats (FP8 32x32, FP4 experts, the
+    deepseek activation rule), its random weights quantized from the draw."""
+    from paths import ROOT
+
+    if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
+        sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
+    from benchmarks.quantized_recipes import v41_release_weights
+
+    recipe = recipe_variant(small_recipe, {"weights": v41_release_weights("deepseek")}, name="dsv41-small-q")
+    return once_per_run(run_dir, "small-q-deepseek", lambda out: export_package(recipe, out).path)
 
 
 @pytest.fixture(scope="session")

@@ -16,23 +16,13 @@ from paths import ROOT  # noqa: E402
 if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
     sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
-from b12x_toolchain.exporter.pipeline.export import export_package  # noqa: E402
-from b12x_toolchain.exporter.recipe.variants import recipe_variant  # noqa: E402
 from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks import load_memory, quantized_decode  # noqa: E402
-from benchmarks.quantized_recipes import v41_release_weights  # noqa: E402
 from benchmarks.registry import Settings  # noqa: E402
 from benchmarks.run import discover, table  # noqa: E402
-from conftest import once_per_run  # noqa: E402
 
-# About 30 s of its own on two busy cores: the quantized small export, two child processes.
+# About 15 s of its own on two busy cores (two child processes); the quantized small export is shared.
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.4)]
-
-
-@pytest.fixture(scope="module")
-def quantized_small_path(small_recipe, run_dir):
-    recipe = recipe_variant(small_recipe, {"weights": v41_release_weights("deepseek")}, name="dsv41-small-q")
-    return once_per_run(run_dir, "small-q-deepseek", lambda out: export_package(recipe, out).path)
 
 
 def well_formed(rows, unit: str) -> None:
@@ -42,10 +32,10 @@ def well_formed(rows, unit: str) -> None:
     assert table(rows).row_count == len(rows)
 
 
-def test_load_memory_reports_peaks_against_weight_bytes(quantized_small_path, small_path):
+def test_load_memory_reports_peaks_against_weight_bytes(small_release_path, small_path):
     known = discover()
     assert known["load_memory"] is load_memory.run and known["quantized_decode"] is quantized_decode.run
-    rows = load_memory.measure({"fp32 twin": small_path, "quantized": quantized_small_path}, rounds=1)
+    rows = load_memory.measure({"fp32 twin": small_path, "quantized": small_release_path}, rounds=1)
     peaks, [weight_bytes] = rows[:-1], rows[-1:]
     assert [m.case for m in peaks] == [f"{label}, {what}" for label in ("fp32 twin", "quantized")
                                        for what in ("load()", "load() + session")]
@@ -57,8 +47,8 @@ def test_load_memory_reports_peaks_against_weight_bytes(quantized_small_path, sm
     assert weight_bytes.case == "quantized / fp32 twin" and 0 < weight_bytes.ratio < 1
 
 
-def test_quantized_decode_reports_a_rate_per_activation_rule(quantized_small_path, small_path):
-    packages = {quantized_decode.TWIN: load(small_path), "deepseek": load(quantized_small_path)}
+def test_quantized_decode_reports_a_rate_per_activation_rule(small_release_path, small_path):
+    packages = {quantized_decode.TWIN: load(small_path), "deepseek": load(small_release_path)}
     rows = quantized_decode.measure(packages, Settings(repeat=1, warmup=0), compiled=(False,), prompt_tokens=16,
                                     new_tokens=5)
     assert [(m.benchmark, m.case) for m in rows] == [("quantized_decode", "activation deepseek, uncompiled")]

@@ -29,7 +29,7 @@ from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from b12x_toolchain.runtime.package.weight_binding import load_weights_bytes
 from b12x_toolchain.runtime.serving.speculative import Decoder
-from conftest import SMALL, random_tokens
+from conftest import random_tokens
 from decode_steps import FP32_CACHES, incremental, prefill
 from hf_reference import fp32_tiny_recipe, reference_logits, tiny_v4_config, tiny_weights
 from release_checkpoint import write_release_checkpoint
@@ -261,11 +261,9 @@ def test_a_checkpoint_the_recipe_does_not_describe_is_refused_by_name(checkpoint
 # --- V4.1 with 32x32 blocks ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def v41_package(tmp_path_factory):
+def v41_package(small_release_path):
     """A small V4.1 recipe in the V4.1 release's formats, random weights quantized from the draw."""
-    recipe = recipe_variant(load_recipe("dsv41-tiny"), {**SMALL, "weights": release_scheme(32, "deepseek")},
-                            name="dsv41-small-release")
-    return load(export_package(recipe, tmp_path_factory.mktemp("v41q")).path)
+    return load(small_release_path)
 
 
 def test_v41_speculation_equals_greedy(v41_package):
