@@ -8,7 +8,6 @@ of the run share, and read by the others (exports are byte-identical across proc
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ if not torch.cuda.is_available():
     # be chosen before any kernel module is imported (decoration reads it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import paths  # noqa: F401  (before any test module: puts the repository root, and so `benchmarks`, on the path)
 from b12x_toolchain.exporter.pipeline import trace_cache
 from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe
@@ -160,10 +160,6 @@ def small_path(small_recipe, run_dir):
 def small_release_path(small_recipe, run_dir):
     """The small recipe in the V4.1 release's weight formats (FP8 32x32, FP4 experts, the
     deepseek activation rule), its random weights quantized from the draw."""
-    from paths import ROOT
-
-    if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-        sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
     from benchmarks.quantized_recipes import v41_release_weights
 
     recipe = recipe_variant(small_recipe, {"weights": v41_release_weights("deepseek")}, name="dsv41-small-q")

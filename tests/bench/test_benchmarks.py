@@ -19,8 +19,6 @@ pytestmark = pytest.mark.slow(minutes=0.6)  # the module's time on two busy core
 
 RUNNER = ROOT / "benchmarks" / "run.py"
 
-if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
 TIMED = {"replay.fused_vs_unfused", "replay.ours_vs_eager"}
 TIMED_CASES = {"verify rows=1", "verify rows=3 (bucket 4)", "draft rows=1", "draft rows=3 (bucket 4)"}

@@ -8,16 +8,9 @@ Never asserts a speed — a benchmark's numbers depend on the machine.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from paths import ROOT  # noqa: E402
-
 pytestmark = pytest.mark.slow(minutes=0.3)
-
-if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.append(str(ROOT))
 
 
 @pytest.mark.parametrize("path", ["old", "new"])

@@ -9,15 +9,8 @@ Nothing here asserts a speed.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-
-from paths import ROOT
-
-if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
 from b12x_toolchain.exporter.model.pass_modules import PASSES  # noqa: E402
 from b12x_toolchain.exporter.recipe.dims import Dims  # noqa: E402

@@ -7,14 +7,7 @@ asserts a speed or a memory figure: those depend on the machine.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-
-from paths import ROOT  # noqa: E402
-
-if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
 from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks import load_memory, quantized_decode  # noqa: E402

@@ -7,14 +7,7 @@ way on any package, and two layers replay in about half the tiny recipe's time.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-
-from paths import ROOT  # noqa: E402
-
-if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.append(str(ROOT))  # after tests/: its packages must not be shadowed
 
 from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks.registry import Settings  # noqa: E402
