@@ -6,7 +6,7 @@ downloads and links in parallel, where pip took 50 s for lm-eval alone and a min
 GuideLLM, a core's worth of the suite's time). A stamp file,
 written last, records what was installed; a venv whose stamp names the same pins is reused,
 any other is made again. Two pytest workers asking at once are serialised by a file lock
-beside the venv: the second waits, then finds the first one's stamp. Every pip run has a
+beside the venv: the second waits, then finds the first one's stamp. Every uv run has a
 time limit, so a hung download fails the test instead of the suite.
 
 lm-eval's `api` extra pulls no torch. GuideLLM 0.8.1 requires torch outright (no extra
