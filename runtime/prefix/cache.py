@@ -197,6 +197,20 @@ class PrefixCache:
             self.stats.insertions += 1
         return snap
 
+    def forget(self, hit: Hit) -> None:
+        """A hit its caller could not use after all (another rank lacked its twin): counted as a
+        miss and a hydrate error instead, and its snapshot leaves L1 so it is not chosen again."""
+        if self.l1 is not None:
+            self.l1.discard(hit.snapshot)
+        with self._lock:
+            if hit.exact:
+                self.stats.exact_hits -= 1
+            else:
+                self.stats.prefix_hits -= 1
+            self.stats.prefill_tokens_saved -= hit.length
+            self.stats.misses += 1
+            self.stats.hydrate_errors += 1
+
     def release_pages(self, wanted, keep=()) -> int:
         """Drop L1 snapshots holding pages (least recently used first, none in `keep`) until `wanted()` is true."""
         return self.l1.release_pages(wanted, keep) if self.l1 is not None else 0

@@ -147,6 +147,14 @@ class L1Cache:
         self._bytes -= snap.nbytes
         snap.release()
 
+    def discard(self, snap: Snapshot) -> bool:
+        """Drop `snap` itself, if stored (a hit the caller could not use); whether it was."""
+        with self._lock:
+            entry = next((e for e, stored in self._lru.items() if stored is snap), None)
+            if entry is not None:
+                self._remove(entry)
+            return entry is not None
+
     def release_pages(self, wanted, keep=()) -> int:
         """Evict the least recently used snapshots that hold pages by reference (but those in
         `keep`) until `wanted()` is true or none is left; returns how many were dropped."""

@@ -9,6 +9,7 @@ shared head of a chat's turns, is restored from a snapshot instead of prefilled 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
@@ -56,24 +57,48 @@ def check_options(options, names: dict = FIELD_NAMES) -> list[str]:
     return problems
 
 
-def open_prefix_cache(package, options: EngineOptions):
-    """The prefix cache the options ask for (L1 in memory, L2 on disk with a directory), or None."""
+def open_prefix_cache(package, options: EngineOptions, rank: int | None = None):
+    """The prefix cache the options ask for (L1 in memory, L2 on disk with a directory), or None.
+    rank: a rank of a parallel package, whose L2 is its own folder below the directory."""
     from b12x_toolchain.runtime.prefix.cache import PrefixCache
 
     if options.prefix_cache_bytes == 0:
         return None
-    return PrefixCache(package, l1_bytes=options.prefix_cache_bytes, l2_dir=options.prefix_cache_dir,
-                       l2_bytes=options.prefix_cache_bytes)
+    return PrefixCache(package, l1_bytes=options.prefix_cache_bytes,
+                       l2_dir=rank_prefix_dir(options.prefix_cache_dir, rank), l2_bytes=options.prefix_cache_bytes)
 
 
-def open_engine(package, options: EngineOptions, prefix_cache=None, drafter=None):
-    """The session and engine `options` describe over a loaded package. The caller owns
-    `prefix_cache` (open_prefix_cache), which outlives the engine and is closed by the caller."""
-    from b12x_toolchain.runtime.serving.engine import Engine, passes_used
+def rank_prefix_dir(directory: str | None, rank: int | None) -> str | None:
+    """Each rank of a parallel package keeps its own L2 directory below the one given (its own shard)."""
+    if directory is None or rank is None:
+        return directory
+    return str(Path(directory) / f"rank-{rank}")
+
+
+def open_session(package, options: EngineOptions, drafter=None):
+    """The session `options` describe over a loaded package, with only the passes its engine replays."""
+    from b12x_toolchain.runtime.serving.engine import passes_used
 
     slots = options.slots or package.passes["verify"].rows_buckets[-1]
-    session = package.session(device=options.device, slots=slots, pages=options.pages,
-                              cache_bytes=options.cache_bytes, compile=options.compile, capture=options.capture,
-                              passes=passes_used(package.passes, options.speculative, drafter))
+    return package.session(device=options.device, slots=slots, pages=options.pages, cache_bytes=options.cache_bytes,
+                           compile=options.compile, capture=options.capture,
+                           passes=passes_used(package.passes, options.speculative, drafter))
+
+
+def open_engine(package, options: EngineOptions, prefix_cache=None, drafter=None, channel=None):
+    """The session and engine `options` describe over a loaded package. The caller owns
+    `prefix_cache` (open_prefix_cache), which outlives the engine and is closed by the caller.
+    channel: rank 0's ControlChannel to the other ranks of a parallel package, which follow
+    this engine's every change to its session (runtime/parallel/lockstep.py)."""
+    from b12x_toolchain.runtime.serving.engine import Engine
+
+    session = open_session(package, options, drafter)
+    if channel is not None:
+        from b12x_toolchain.runtime.parallel.lockstep import LeaderSession
+        from b12x_toolchain.runtime.parallel.lockstep_prefix import LeaderPrefixCache
+
+        session = LeaderSession(session, channel)
+        session.check_pages()
+        prefix_cache = LeaderPrefixCache(prefix_cache, session) if prefix_cache is not None else None
     return Engine(session, speculative=options.speculative, temperature=options.temperature, top_p=options.top_p,
                   seed=options.seed, drafter=drafter, prefix_cache=prefix_cache)
