@@ -105,10 +105,11 @@ class Clients:
 
 
 @contextlib.contextmanager
-def serve(package_path: Path):
-    """A `b12x serve` process on a free loopback port; yields its URL. SIGTERM at the end."""
+def serve(package_path: Path, *args, slots: int = max(CONCURRENCY)):
+    """A `b12x serve` process on a free loopback port (`args` added to its command line); yields
+    its URL. SIGTERM at the end."""
     command = [sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "serve", str(package_path), "--port", "0",
-               "--slots", str(max(CONCURRENCY)), "--threads", str(torch.get_num_threads())]
+               "--slots", str(slots), "--threads", str(torch.get_num_threads()), *map(str, args)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stderr.readline()

@@ -93,21 +93,12 @@ def _steps_table(steps: list) -> Table:
 @engine_flags
 @click.option("--show-steps", is_flag=True, help="Also print every step's statistics.")
 @click.option("--show-ids", is_flag=True, help="Also print the generated token ids when the package has a tokenizer.")
-@click.option("--nproc", type=click.IntRange(min=1),
-              help="Processes (ranks) on this machine for a parallel package, launched through torchrun; "
-                   "with --nnodes, the world size the package was exported for.")
-@click.option("--nnodes", default=1, show_default=True, type=click.IntRange(min=1), help="Nodes (torchrun).")
-@click.option("--node-rank", type=click.IntRange(min=0), help="This node's rank (torchrun).")
-@click.option("--rdzv-backend", help="Rendezvous backend (torchrun).")
-@click.option("--rdzv-endpoint", help="Rendezvous endpoint host:port (torchrun).")
-@click.option("--rdzv-id", help="Rendezvous id shared by every node of the job (torchrun).")
-@click.option("--master-addr", help="Address of rank 0's node (torchrun, static rendezvous).")
-@click.option("--master-port", type=click.IntRange(min=1, max=65535), help="Port on rank 0's node (torchrun).")
-def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, show_steps, show_ids, nproc, nnodes,
-        node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port, **flags):
+@ranks.rank_flags
+def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, show_steps, show_ids, **flags):
     """Serve prompts from a package on CPU (or --device): many requests over reused slots, with a final report.
     A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
     from b12x_toolchain.runtime import PackageError
+    from b12x_toolchain.runtime.parallel.control import RankLost
     from b12x_toolchain.runtime.session.validate import InputError
 
     if not prompts and not prompt_ids and not prompt_files:
@@ -118,17 +109,12 @@ def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, sh
         items = _requests(prompts, prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
     except PromptError as exc:
         raise click.BadParameter(str(exc)) from None
-    rank = ranks.launched_rank()
-    if nproc is not None and rank is None:  # the launcher: check, then start every rank
-        ranks.check_world(package, nproc, nnodes)
-        ranks.launch(nproc, dict(nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend,
-                                 rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, master_addr=master_addr,
-                                 master_port=master_port))
+    ranks.launch_if_asked(package, flags, stream=False)
     try:
-        outcome = _serve(package, items, options, rank)
-    except (PackageError, InputError, ValueError, OSError) as exc:
+        outcome = _serve(package, items, options, flags)
+    except (PackageError, InputError, ValueError, OSError, RankLost) as exc:
         fail(str(exc))
-    if rank in (None, 0):  # every rank decoded the same tokens; rank 0 reports them
+    if outcome is not None:  # rank 0, or the only process, reports
         _report(outcome, options, show_steps, show_ids)
 
 
@@ -142,43 +128,55 @@ class _Outcome:
     cache_stats: dict | None
 
 
-def _serve(package, items, options, rank) -> _Outcome:
+def _serve(package, items, options, flags) -> _Outcome | None:
     """Load the package (this rank's, in its group), build the engine from `options` and decode
-    every request, with a progress bar on rank 0."""
+    every request, with a progress bar. A rank other than 0 follows rank 0's engine instead
+    and returns nothing."""
     from b12x_toolchain.runtime import load
+
+    if ranks.launched_rank() is None:
+        return _decode(load(package), package, items, options)
+    rank, channel = ranks.open_rank(flags, options.device)
+    if rank != 0:
+        ranks.run_worker(package, options, channel, flags["join_timeout"])
+    try:
+        return _decode(load(package, rank=rank, peer_timeout=flags["join_timeout"]), package, items, options, channel)
+    finally:
+        ranks.stop_followers(channel)
+        ranks.leave_group()
+
+
+def _decode(loaded, package, items, options, channel=None) -> _Outcome:
     from b12x_toolchain.runtime.serving.options import open_engine, open_prefix_cache
     from b12x_toolchain.runtime.serving.requests import check_request
 
     cache = None
     try:
-        loaded = load(package) if rank is None else load(package, rank=ranks.join_group(),
-                                                         peer_timeout=ranks.PEER_TIMEOUT)
         codec = loaded.tokenizer
         items = encode_texts(items, codec, package)
         model = loaded.manifest.model
         for request, origin in items:  # before any replay, naming the line to fix
             check_request(request, origin if request.id is None else f"{request.id!r} ({origin})",
                           model.vocab_size, model.max_seq_len)
-        cache = open_prefix_cache(loaded, options)
-        engine = open_engine(loaded, options, cache)
+        cache = open_prefix_cache(loaded, options, None if channel is None else channel.rank)
+        engine = open_engine(loaded, options, cache, channel=channel)
         states = engine.submit([request for request, _ in items])
         started = time.perf_counter()
-        steps = _decode_with_progress(engine, states, show=rank in (None, 0))
+        steps = _decode_with_progress(engine, states)
         wall = time.perf_counter() - started
         cache_stats = cache.stats_dict() if cache is not None else None
     finally:
         if cache is not None:
             cache.close()  # waits for queued snapshots to reach the directory
-        ranks.leave_group()
     return _Outcome(engine, states, steps, codec, wall, cache_stats)
 
 
-def _decode_with_progress(engine, states, show: bool) -> list:
+def _decode_with_progress(engine, states) -> list:
     """Run the engine to completion; a bar counts tokens against every request's max_new_tokens
     (a stop token ends a request early). Returns every step's StepStats."""
     steps = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not show) as progress:
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"0/{len(states)} requests", total=sum(s.max_new_tokens for s in states))
 
         def on_step(step) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from b12x_toolchain.runtime.serving.http.errors import APIError
+from b12x_toolchain.runtime.serving.ranks import between_steps
 from b12x_toolchain.runtime.serving.requests import Request, RequestState, TokenLogprob
 
 RETRY_AFTER_S = 1
@@ -67,10 +68,12 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], object], metrics, max_queue: int):
-        """build() makes the engine; start() calls it on the loop thread."""
+    def __init__(self, build: Callable[[], object], metrics, max_queue: int,
+                 on_failure: Callable[[str], None] | None = None):
+        """build() makes the engine; start() calls it on the loop thread. on_failure(error) is
+        called (on the loop thread) once the engine failed and every request got the error."""
         self.engine = None  # build()'s engine, once start() returned
-        self._build, self.metrics, self.max_queue = build, metrics, max_queue
+        self._build, self.metrics, self.max_queue, self._on_failure = build, metrics, max_queue, on_failure
         self.admitting = True
         self.failure: str | None = None  # the error that stopped the loop, if one did
         self._lock = threading.Lock()
@@ -168,12 +171,15 @@ class EngineLoop:
                 cancels += [(rid, "cancelled") for rid in self._tracked]
             for request_id, outcome in cancels:
                 self._cancel(request_id, outcome)
-            if self.engine.busy:
-                try:
+            busy = self.engine.busy
+            try:
+                if busy:
                     step = self.engine.step()
-                except Exception as exc:  # the engine is unusable: every request gets the error
-                    self._fail(exc)
-                    return
+                between_steps(self.engine.session, idle=not busy)
+            except Exception as exc:  # the engine (or a rank) is unusable: every request gets the error
+                self._fail(exc)
+                return
+            if busy:
                 self.metrics.record_step(step)
                 self._deliver()
             self._publish()
@@ -249,6 +255,7 @@ class EngineLoop:
         self.metrics.queue_depth.set(len(self.engine.waiting))
         self.metrics.running.set(len(self.engine.active))
         self.metrics.record_pages(self.engine.session.pages.pool_stats())
+        self.metrics.record_ranks(self.engine.session)
 
     def _fail(self, exc: Exception) -> None:
         with self._lock:
@@ -258,3 +265,5 @@ class EngineLoop:
             tracked.ticket.put(Update([], error=error, index=tracked.ticket.index))
             self._count_finished(tracked.state, "error")
         self._tracked.clear()
+        if self._on_failure is not None:
+            self._on_failure(self.failure)

@@ -5,7 +5,8 @@ of every request the engine took: stop, length, cancelled), refusals by HTTP sta
 prompt and generated tokens. Latency: time to first token from the request's arrival,
 and the gap between tokens (a step that emits k tokens counts its gap k times, over k).
 The engine: queue depth, running requests, drafted and accepted tokens, tokens per
-row-step, prefix-cache hits by tier and the prompt tokens they restored, pages in use.
+row-step, prefix-cache hits by tier and the prompt tokens they restored, pages in use; for a
+parallel package, each rank's pages in use and replay time under a `rank` label.
 
 The same speculation counts also go out under the names vLLM gives them (`vllm:spec_decode_*`,
 scraped by `vllm bench serve` and dashboards made for vLLM): a draft is one row-step that
@@ -47,6 +48,17 @@ class ServerMetrics:
         self.pages_in_use = Gauge("b12x_pages_in_use", "Cache pages held by slots or snapshots", ["pool"],
                                   registry=registry)
         self.pages = Gauge("b12x_pages", "Cache pages of each pool", ["pool"], registry=registry)
+        # A parallel package's ranks, each its own (rank 0's scheduler decides for all of them).
+        self.rank_pages_in_use = Gauge("b12x_rank_pages_in_use", "Cache pages in use on each rank", ["rank", "pool"],
+                                       registry=registry)
+        self.rank_replay_seconds = Gauge("b12x_rank_replay_seconds", "Seconds each rank has spent replaying passes",
+                                         ["rank"], registry=registry)
+        self.control_seconds = Gauge("b12x_control_seconds", "Seconds rank 0 spent sending step messages to the "
+                                     "other ranks and hearing back", registry=registry)
+        self.control_messages = Gauge("b12x_control_messages", "Step messages rank 0 sent to the other ranks",
+                                      registry=registry)
+        self.step_seconds = Histogram("b12x_step_seconds", "Engine steps that ran requests: their prefill and decode "
+                                      "time", buckets=LATENCY_BUCKETS, registry=registry)
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Row-steps that verified drafts",
                                    registry=registry)
         self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
@@ -69,12 +81,26 @@ class ServerMetrics:
             self.spec_accepted_per_pos.labels(str(position)).inc(sum(n > position for n in lengths))
         if step.rows:
             self.tokens_per_step.observe(step.derived()["tokens_per_step"])
+        self.step_seconds.observe(step.prefill_seconds + step.decode_seconds)
 
     def record_pages(self, pools: dict) -> None:
         """Each pool's PoolStats (session/pages.py), by pool name."""
         for pool, stats in pools.items():
             self.pages_in_use.labels(pool).set(stats.in_use)
             self.pages.labels(pool).set(stats.pages)
+
+    def record_ranks(self, session) -> None:
+        """A parallel package's: each rank's last report and rank 0's control time (runtime/parallel/
+        lockstep.py's LeaderSession); nothing for one device's session."""
+        reports = getattr(session, "rank_reports", None)
+        if reports is None:
+            return
+        self.control_seconds.set(session.control_seconds)
+        self.control_messages.set(session.control_messages)
+        for rank, report in enumerate(reports):
+            self.rank_replay_seconds.labels(str(rank)).set(report["replay_seconds"])
+            for pool, in_use in report["pages_in_use"].items():
+                self.rank_pages_in_use.labels(str(rank), pool).set(in_use)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -19,6 +19,9 @@ from b12x_toolchain.runtime.serving.http.app import create_app
 from b12x_toolchain.runtime.serving.http.header_deadline import header_deadline_protocol
 
 CLOSE_CONNECTIONS_S = 5.0  # after the grace period: for finished responses to reach their clients
+# A parallel package's server whose engine failed (a rank is gone) answers 503 this long, so a
+# health check sees why, then stops (the process exits non-zero and a supervisor restarts the group).
+FAILED_LINGER_S = 2.0
 
 
 BACKLOG = 2048  # uvicorn's default
@@ -63,6 +66,9 @@ class Server:
         self.uvicorn = _Uvicorn(config, self._exit)
         self._draining = False
         self._thread: threading.Thread | None = None
+        self._failed_at: float | None = None
+        if service.rank is not None:
+            service.on_failure = self._failed
 
     @property
     def url(self) -> str:
@@ -95,8 +101,9 @@ class Server:
             self._thread.join()
 
     def _exit(self) -> None:
-        if self._draining:  # a second signal: stop now
-            self.uvicorn.should_exit = self.uvicorn.force_exit = True
+        if self._draining:  # a second signal: stop now (a failed server stops soon anyway)
+            if self._failed_at is None:
+                self.uvicorn.should_exit = self.uvicorn.force_exit = True
             return
         self._draining = True
         self.service.loop.drain()
@@ -107,4 +114,11 @@ class Server:
         while self.service.loop.running() and time.monotonic() < deadline:
             time.sleep(0.05)
         self.service.loop.stop()  # cancels what did not finish in time
+        if self._failed_at is not None:
+            time.sleep(max(0.0, self._failed_at + FAILED_LINGER_S - time.monotonic()))
         self.uvicorn.should_exit = True
+
+    def _failed(self, error: str) -> None:
+        """The engine of a parallel package failed: answer 503 for a moment, then stop."""
+        self._failed_at = time.monotonic()
+        threading.Thread(target=self._exit, name="b12x-failed", daemon=True).start()

@@ -18,6 +18,7 @@ from b12x_toolchain.runtime.serving.http.engine_loop import EngineLoop
 from b12x_toolchain.runtime.serving.http.metrics import ServerMetrics
 from b12x_toolchain.runtime.serving.http.protocol import Limits
 from b12x_toolchain.runtime.serving.options import EngineOptions, open_engine, open_prefix_cache
+from b12x_toolchain.runtime.serving.ranks import RankContext
 
 
 @dataclass
@@ -33,22 +34,25 @@ class ServeOptions:
 
 
 class Service:
-    def __init__(self, options: ServeOptions):
+    def __init__(self, options: ServeOptions, rank: RankContext | None = None):
+        """rank: rank 0 of a parallel package, whose other ranks follow its engine (ranks.py)."""
         from b12x_toolchain.runtime import load
         from b12x_toolchain.runtime.session.device import session_device
 
-        self.options = options
+        self.options, self.rank = options, rank
         self.started = time.time()
+        self.on_failure = None  # called with the error once the engine failed (the server sets it)
         # Checked first, and here: a bare "cuda" is the caller's current device, not the loop thread's.
         self.device = session_device(options.engine.device)
-        self.package = load(options.package)
+        self.package = load(options.package) if rank is None else \
+            load(options.package, rank=rank.rank, peer_timeout=rank.join_timeout_s)
         model = self.package.manifest.model
         self.limits = Limits(model.vocab_size, model.max_seq_len)
         self.model_name = options.model_name or Path(options.package).name.removesuffix(".b12x")
         self.codec = self.package.tokenizer
-        self.prefix_cache = open_prefix_cache(self.package, options.engine)
+        self.prefix_cache = open_prefix_cache(self.package, options.engine, None if rank is None else rank.rank)
         self.metrics = ServerMetrics()
-        self.loop = EngineLoop(self._open_engine, self.metrics, options.max_queue)
+        self.loop = EngineLoop(self._open_engine, self.metrics, options.max_queue, self._failed)
         try:
             self.loop.start()  # builds the engine on the loop thread: _open_engine
         except BaseException:
@@ -64,7 +68,12 @@ class Service:
         from b12x_toolchain.runtime.session.device import make_current
 
         make_current(self.device)  # CUDA: this thread's device, where its captures and replays launch
-        return open_engine(self.package, replace(self.options.engine, device=str(self.device)), self.prefix_cache)
+        return open_engine(self.package, replace(self.options.engine, device=str(self.device)), self.prefix_cache,
+                           channel=None if self.rank is None else self.rank.channel)
+
+    def _failed(self, error: str) -> None:
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     def close(self, grace_seconds: float = 0.0) -> None:
         """Stop the engine loop (cancelling what still runs) and write the L2 prefix cache out."""
@@ -72,5 +81,7 @@ class Service:
             return
         self._closed = True
         self.loop.stop(timeout=max(grace_seconds, 1.0) + 30.0)
+        if self.rank is not None and self.loop.engine is not None:
+            self.loop.engine.session.stop()  # the other ranks' loops return
         if self.prefix_cache is not None:
             self.prefix_cache.close()  # waits for queued snapshots to reach the directory
