@@ -2,9 +2,10 @@
 
 A message is a list of operations, each a JSON list `[name, *arguments]` (a tensor travels as
 the lists of its values): plain data, never pickled, so a worker runs nothing it was sent
-but the operations of its table (lockstep.py). Rank 0 broadcasts the length,
-then the bytes. The group is CPU (gloo) whatever the model's device: the model's own
-collectives keep their group (NCCL on CUDA).
+but the operations of its table (lockstep.py). Rank 0 broadcasts one frame of fixed size,
+the length then the bytes (a longer message's rest follows in a second broadcast). The
+group is CPU (gloo) whatever the model's device: the model's own collectives keep their
+group (NCCL on CUDA).
 
 Every call here is bound by the group's timeout, the step deadline: a rank that died
 closes its connections and the others fail at once; one that hangs makes them fail when
@@ -18,6 +19,8 @@ import json
 from datetime import timedelta
 
 import torch
+
+FRAME = 16 << 10  # bytes broadcast per message: a step's operations fit in one collective
 
 
 class RankLost(RuntimeError):
@@ -88,19 +91,29 @@ class ControlChannel:
     def send(self, ops: list) -> None:
         import torch.distributed as dist
 
-        payload = torch.frombuffer(bytearray(encode(ops)), dtype=torch.uint8)
-        self._collective("a step message", lambda: (
-            dist.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), 0, group=self.group),
-            dist.broadcast(payload, 0, group=self.group)))
+        data = encode(ops)
+        frame = torch.zeros(FRAME, dtype=torch.uint8)  # the length, then as much of the message as fits
+        frame[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        head = min(len(data), FRAME - 8)
+        if head:
+            frame[8 : 8 + head] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
+        self._collective("a step message", lambda: dist.broadcast(frame, 0, group=self.group))
+        if len(data) > head:  # a long message (a long prompt's snapshot tokens): the rest in a second broadcast
+            rest = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)
+            self._collective("a step message", lambda: dist.broadcast(rest, 0, group=self.group))
 
     def receive(self) -> list:
         import torch.distributed as dist
 
-        size = torch.zeros(1, dtype=torch.int64)
-        self._collective("waiting for rank 0", lambda: dist.broadcast(size, 0, group=self.group))
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        self._collective("a step message", lambda: dist.broadcast(payload, 0, group=self.group))
-        return decode(payload.numpy().tobytes())
+        frame = torch.empty(FRAME, dtype=torch.uint8)
+        self._collective("waiting for rank 0", lambda: dist.broadcast(frame, 0, group=self.group))
+        size = int.from_bytes(frame[:8].numpy().tobytes(), "little")
+        data = frame[8 : 8 + min(size, FRAME - 8)].numpy().tobytes()
+        if size > len(data):
+            rest = torch.empty(size - len(data), dtype=torch.uint8)
+            self._collective("a step message", lambda: dist.broadcast(rest, 0, group=self.group))
+            data += rest.numpy().tobytes()
+        return decode(data)
 
     def agree(self, ok: bool) -> bool:
         """Whether every rank says ok (an all-reduce; each rank calls it at the same point)."""

@@ -44,11 +44,13 @@ class LeaderPrefixCache:
             self._session.record("snapshot_drop", [self._numbers.pop(snap) for snap in gone])
 
     def store(self, session, slot: int, tokens, logits=None):
+        drops = self._cache.stats.l2_write_drops
         snap = self._cache.store(self._session.local, slot, tokens, logits)
         if snap is not None:
             number, _ = self._number(snap)
-            self._session.record("snapshot_capture", number, slot, list(tokens), snap.pages is not None,
-                                 self._cache.l2 is not None)
+            # The other ranks write to their L2 what rank 0 queued for its own (not what its full queue dropped).
+            to_l2 = self._cache.l2 is not None and self._cache.stats.l2_write_drops == drops
+            self._session.record("snapshot_capture", number, slot, list(tokens), snap.pages is not None, to_l2)
         self._drop_gone()
         return snap
 

@@ -5,14 +5,17 @@ test_serve_ranks run them across real ranks)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from b12x_toolchain.runtime import load
-from b12x_toolchain.runtime.parallel.control import decode, encode
+from b12x_toolchain.runtime.parallel.control import FRAME, ControlChannel, RankLost, decode, encode
 from b12x_toolchain.runtime.parallel.lockstep import Follower, LeaderSession, follow
 from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from b12x_toolchain.runtime.session.validate import OnDevice
+from ranks import on_ranks
 
 
 class Channel:
@@ -79,3 +82,37 @@ def test_a_hit_another_rank_could_not_use_counts_as_a_miss_and_leaves_l1(small_p
     stats = cache.stats
     assert (stats.prefix_hits, stats.misses, stats.hydrate_errors, stats.prefill_tokens_saved) == (0, 1, 1, 0)
     assert cache.restore(session, 0, prompt + [20]) is None  # not chosen again
+
+
+def _relay(rank, ops):
+    channel = ControlChannel(deadline_s=30, join_timeout_s=30)
+    if rank == 0:
+        channel.send(ops)
+        return None
+    return channel.receive()
+
+
+def test_a_message_longer_than_one_frame_arrives_whole():
+    long_prompt = list(range(FRAME))  # several frames of digits
+    ops = [["snapshot_load", 0, 1, long_prompt], ["agree"]]
+    assert on_ranks(_relay, 2, ops)[1] == ops
+
+
+def _late(rank):
+    channel = ControlChannel(deadline_s=30, join_timeout_s=30)
+    channel.agree(True)  # both up: the step deadline applies from here
+    channel.deadline_s = 2.0
+    channel.started()
+    if rank == 1:
+        time.sleep(6)  # alive but not answering, past the deadline
+        return None
+    started = time.monotonic()
+    with pytest.raises(RankLost) as lost:
+        channel.agree(True)
+    return str(lost.value), time.monotonic() - started
+
+
+def test_a_rank_that_does_not_answer_within_the_deadline_is_lost():
+    message, waited = on_ranks(_late, 2)[0]
+    assert message.startswith("rank 0 of 2: a peer did not answer within 2 s during an agreement")
+    assert waited < 2 + 2
