@@ -25,12 +25,13 @@ from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
+from decode_steps import FP32_CACHES
 
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
 # shared one, or one its module exports itself) or a child process (torch's import alone
 # takes seconds). `make test-fast` leaves out what carries the `exports` marker.
 EXPORT_FIXTURES = {"small_path", "small_release_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
-                   "small_parallel_path", "fp32_path"}
+                   "chat_path", "chat_parallel_path", "fp32_path"}
 COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(", "on_ranks(")  # on_ranks: a process per rank
 
 
@@ -166,15 +167,46 @@ def small_release_path(small_recipe, run_dir):
     return once_per_run(run_dir, "small-q-deepseek", lambda out: export_package(recipe, out).path)
 
 
-@pytest.fixture(scope="session")
-def small_parallel_recipe(small_recipe):
-    """The small recipe over two ranks, tensor and expert parallel; its weights are small_path's."""
-    return recipe_variant(small_recipe, {"parallel": {"tensor": 2, "expert": 2}}, name="dsv41-small-parallel")
+# The small recipe with float32 caches (two ranks' logits agree with one device's to 1e-5) at the
+# shipped tokenizer's vocabulary and its distinct normalised keys (chat has a template, text a tokenizer).
+CHAT = {**SMALL, **FP32_CACHES, "model.vocab_size": 2048, "model.engram.compressed_vocab_size": 1432}
+PARALLEL_MAPPINGS = {"tensor2": {"tensor": 2}, "tensor2-expert2": {"tensor": 2, "expert": 2}}
 
 
 @pytest.fixture(scope="session")
-def small_parallel_path(small_parallel_recipe, run_dir):
-    return once_per_run(run_dir, "small-parallel", lambda out: export_package(small_parallel_recipe, out, jobs=2).path)
+def chat_recipe(tiny_recipe):
+    return recipe_variant(tiny_recipe, CHAT, name="dsv41-chat")
+
+
+@pytest.fixture(scope="session")
+def shipped_tokenizer(chat_recipe):
+    from b12x_toolchain.exporter.hf.tokenizer_files import checkpoint_tokenizer
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from paths import SHIPPED_CHECKPOINT
+
+    return checkpoint_tokenizer(SHIPPED_CHECKPOINT, Dims.from_recipe(chat_recipe).vocab)
+
+
+@pytest.fixture(scope="session")
+def chat_path(chat_recipe, shipped_tokenizer, run_dir):
+    """chat_recipe for one device, with the recipe's own weights and the shipped tokenizer."""
+    return once_per_run(run_dir, "chat", lambda out: export_package(chat_recipe, out, tokenizer=shipped_tokenizer).path)
+
+
+def chat_parallel_recipe(chat_recipe, mapping: str):
+    return recipe_variant(chat_recipe, {"parallel": PARALLEL_MAPPINGS[mapping]}, name=f"dsv41-chat-{mapping}")
+
+
+@pytest.fixture(scope="session")
+def chat_parallel_path(chat_recipe, shipped_tokenizer, run_dir):
+    """chat_parallel_path(mapping id): chat_recipe over two ranks with that mapping, the same
+    weights (exported by the first test that asks, once per run)."""
+    def path(mapping: str):
+        recipe = chat_parallel_recipe(chat_recipe, mapping)
+        return once_per_run(run_dir, f"chat-{mapping}",
+                            lambda out: export_package(recipe, out, tokenizer=shipped_tokenizer).path)
+
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -195,8 +227,6 @@ def fused_pkg(fused_path):
 @pytest.fixture(scope="session")
 def fp32_recipe(tiny_recipe):
     """The tiny recipe with float32 caches: logits compare with references to 1e-5."""
-    from decode_steps import FP32_CACHES
-
     return recipe_variant(tiny_recipe, FP32_CACHES, name="dsv41-tiny-fp32")
 
 

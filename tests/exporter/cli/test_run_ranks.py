@@ -20,6 +20,11 @@ pytestmark = pytest.mark.slow(minutes=0.5)
 PROMPT = "5 17 301 44 9 260 3 77 120 31"
 
 
+@pytest.fixture(scope="module")
+def chat_parallel(chat_parallel_path):
+    return chat_parallel_path("tensor2-expert2")
+
+
 def b12x(*args):
     """`b12x run` in a process of its own: the launcher hands its own command line to torchrun."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -36,26 +41,26 @@ def tokens(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("request ")]
 
 
-def test_two_ranks_decode_what_one_device_decodes(small_parallel_path, small_path):
-    one = b12x_here(small_path, "--prompt-ids", PROMPT, "--max-new-tokens", 8, "--greedy")
-    two = b12x(small_parallel_path, "--nproc", 2, "--prompt-ids", PROMPT, "--max-new-tokens", 8, "--greedy")
+def test_two_ranks_decode_what_one_device_decodes(chat_parallel, chat_path):
+    one = b12x_here(chat_path, "--prompt-ids", PROMPT, "--max-new-tokens", 8, "--greedy")
+    two = b12x(chat_parallel, "--nproc", 2, "--prompt-ids", PROMPT, "--max-new-tokens", 8, "--greedy")
     assert one.exit_code == 0, one.output
     assert two.returncode == 0, two.stderr
     assert tokens(two.stdout) == tokens(one.stdout) and len(tokens(one.stdout)) == 1
     assert two.stdout.count("plain greedy decoding") == 1  # rank 0 alone reports
 
 
-def test_a_world_the_package_was_not_exported_for_is_refused_before_launch(small_parallel_path, small_path):
-    three = b12x_here(small_parallel_path, "--nproc", 3, "--prompt-ids", PROMPT)
+def test_a_world_the_package_was_not_exported_for_is_refused_before_launch(chat_parallel, chat_path):
+    three = b12x_here(chat_parallel, "--nproc", 3, "--prompt-ids", PROMPT)
     assert three.exit_code == 1 and three.stdout == ""
-    assert three.stderr.strip() == (f"error: --nproc 3 x --nnodes 1 makes world size 3; {small_parallel_path} was "
+    assert three.stderr.strip() == (f"error: --nproc 3 x --nnodes 1 makes world size 3; {chat_parallel} was "
                                     "exported for tensor 2, expert 2 (world size 2)")
-    one_device = b12x_here(small_path, "--nproc", 2, "--prompt-ids", PROMPT)
+    one_device = b12x_here(chat_path, "--nproc", 2, "--prompt-ids", PROMPT)
     assert one_device.exit_code == 1 and "was exported for one device" in one_device.stderr
 
 
-def test_a_ranks_bad_input_is_one_error_line(small_parallel_path):
-    bad = b12x(small_parallel_path, "--nproc", 2, "--prompt-ids", "1 2 99999")
+def test_a_ranks_bad_input_is_one_error_line(chat_parallel):
+    bad = b12x(chat_parallel, "--nproc", 2, "--prompt-ids", "1 2 99999")
     assert bad.returncode == 1
     assert "Traceback" not in bad.stderr
     lines = bad.stderr.strip().splitlines()

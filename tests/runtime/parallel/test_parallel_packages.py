@@ -1,7 +1,8 @@
 """One package holds every rank: what it stores, what each rank binds, and what is refused
 before any replay (a missing group, a wrong world size or rank, a peer that does not answer).
 
-On the small recipe (two layers, tensor 2 and expert 2 over two ranks), exported with
+On the small recipe (two layers, tensor 2 and expert 2 over two ranks; conftest's chat
+recipe, shared with the serving tests), exported with
 weights and structurally (fake weights, on the fake process group) from a checkpoint. The
 structural export is `b12x export --weights none --weights-index`, whose report names every
 rank's passes.
@@ -30,14 +31,15 @@ from b12x_toolchain.runtime.errors import PackageError
 from b12x_toolchain.runtime.package.pass_graph import PassGraph, load_graph, refuse_collectives
 from b12x_toolchain.runtime.parallel.group import collective_counts
 from b12x_toolchain.runtime.parallel.mapping import Mapping
+from conftest import chat_parallel_recipe
 from ranks import on_ranks
 
 pytestmark = pytest.mark.slow(minutes=1.2)
 
 
 @pytest.fixture(scope="module")
-def recipe(small_parallel_recipe):
-    return small_parallel_recipe
+def recipe(chat_recipe):
+    return chat_parallel_recipe(chat_recipe, "tensor2-expert2")
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,8 @@ def checkpoint(whole, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def packed(small_parallel_path):
-    return small_parallel_path  # exported with the recipe's own weights, `whole`
+def packed(chat_parallel_path):
+    return chat_parallel_path("tensor2-expert2")  # exported with the recipe's own weights, `whole`
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_export_reports_every_ranks_passes(exported_structurally, recipe):
 
 def test_every_rank_has_its_graphs_and_shards(packed, structural, recipe):
     m, s = manifest(packed), manifest(structural)
-    assert m["format_version"] == "4.3" and m["parallel"]["world_size"] == 2  # 4.3: the recipe has Engram
+    assert m["format_version"] == "4.4" and m["parallel"]["world_size"] == 2  # 4.4: it carries a tokenizer
     # The Engram table is split by hash head: each rank's row range, recorded as data.
     table = "model.layers.1.engram.embed.weight"
     assert m["parallel"]["splits"][table] == {"axis": 0, "parts": 2, "halves": False,
@@ -153,7 +155,7 @@ def test_each_rank_binds_its_shards_from_the_package_or_a_whole_checkpoint(two_r
         assert stored["lm_head.weight"].shape[0] == d.vocab // 2
 
 
-def test_a_rank_is_refused_before_any_replay(packed, small_path, two_ranks, tmp_path):
+def test_a_rank_is_refused_before_any_replay(packed, chat_path, two_ranks, tmp_path):
     with pytest.raises(PackageError, match=r"exported for tensor 2, expert 2 \(world size 2\); load it in each "
                                            r"rank's process with load\(path, rank=R\)"):
         load(packed)
@@ -163,7 +165,7 @@ def test_a_rank_is_refused_before_any_replay(packed, small_path, two_ranks, tmp_
     with pytest.raises(PackageError, match="rank 2 is out of range"):
         load(packed, rank=2)
     with pytest.raises(PackageError, match="rank 1: the package was exported for one device"):
-        load(small_path, rank=1)
+        load(chat_path, rank=1)
     # A default group of one, in this process (no rank process to start for it), gone after.
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
