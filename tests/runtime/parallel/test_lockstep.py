@@ -17,6 +17,8 @@ from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from b12x_toolchain.runtime.session.validate import OnDevice
 from ranks import on_ranks
 
+pytestmark = pytest.mark.slow(minutes=0.4)  # two pairs of rank processes
+
 
 class Channel:
     """Messages in a list instead of a group: what a leader sent, what a follower receives."""
