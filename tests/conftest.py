@@ -31,7 +31,7 @@ from decode_steps import FP32_CACHES
 # shared one, or one its module exports itself) or a child process (torch's import alone
 # takes seconds). `make test-fast` leaves out what carries the `exports` marker.
 EXPORT_FIXTURES = {"small_path", "small_release_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
-                   "chat_path", "chat_parallel_path", "fp32_path"}
+                   "chat_path", "chat_parallel_path", "fp32_path", "dsv4_small_path"}
 COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(", "on_ranks(")  # on_ranks: a process per rank
 
 
@@ -207,6 +207,33 @@ def chat_parallel_path(chat_recipe, shipped_tokenizer, run_dir):
                             lambda out: export_package(recipe, out, tokenizer=shipped_tokenizer).path)
 
     return path
+
+
+# dsv4-tiny cut to two target layers (one CSA, one HCA) plus the MTP stage, fp32 weights and
+# caches: V4's layer kinds in about half the export time of the full recipe, with logits that
+# match transformers to float rounding. 64-token chunks: an 80-token prompt takes two.
+SMALL_V4 = {
+    "model.num_layers": 2,
+    "model.compress_ratios": [4, 16, 0],
+    "passes.prefill.chunk": 64,
+    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0, "decode": 0},
+}
+
+
+@pytest.fixture(scope="session")
+def dsv4_small_path(run_dir):
+    """SMALL_V4 as the v4_reference benchmark exports it (its weights' seed, fp32 caches)."""
+    from b12x_toolchain.exporter.model.weights import init_weights
+    from b12x_toolchain.exporter.recipe.dims import Dims
+    from benchmarks import v4_reference
+
+    def build(out):
+        recipe = recipe_variant(v4_reference.fp32_variant(v4_reference.fp32_weights(load_recipe("dsv4-tiny"))),
+                                SMALL_V4, name="dsv4-small-fp32")
+        weights = init_weights(Dims.from_recipe(recipe), v4_reference.SEED)
+        return export_package(recipe, out, weights=weights).path
+
+    return once_per_run(run_dir, "dsv4-small-fp32", build)
 
 
 @pytest.fixture(scope="session")

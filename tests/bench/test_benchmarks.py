@@ -110,38 +110,19 @@ def test_reexport_benchmarks_are_registered(tmp_path, capsys):
     assert "export.structural" in err and "rewrite.scaling" in err
 
 
-# dsv4-tiny cut to two target layers (one CSA, one HCA) plus the MTP stage, with fp32 caches:
-# it exports in about half the time of the full recipe, and its logits match transformers to
-# float rounding, so the greedy streams must agree. 64-token chunks: the 80-token prompt takes two.
-SMALL_V4 = {
-    "model.num_layers": 2,
-    "model.compress_ratios": [4, 16, 0],
-    "passes.prefill.chunk": 64,
-    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0, "decode": 0},
-}
-
-
 @pytest.mark.slow
-def test_v4_reference_benchmark_measures_and_agrees(tmp_path, one_torch_thread):
+def test_v4_reference_benchmark_measures_and_agrees(dsv4_small_path, one_torch_thread):
     """The V4 benchmark in-process on a small fp32 variant (the runner would export dsv4-tiny
-    twice): every case is a well-formed tokens/s pair, and the greedy streams agree."""
+    twice; conftest's dsv4_small_path, as the benchmark exports it): every case is a
+    well-formed tokens/s pair, and the greedy streams agree."""
     pytest.importorskip("transformers")
-    from b12x_toolchain.exporter.model.weights import init_weights
-    from b12x_toolchain.exporter.pipeline.export import export_package
-    from b12x_toolchain.exporter.recipe.dims import Dims
-    from b12x_toolchain.exporter.recipe.loader import load_recipe
-    from b12x_toolchain.exporter.recipe.variants import recipe_variant
     from b12x_toolchain.runtime import load
     from benchmarks import v4_reference
     from benchmarks.registry import REGISTRY, Settings
     from benchmarks.run import table
 
     assert REGISTRY["v4_reference"] is v4_reference.v4_reference_benchmark
-    # fp32 weights, as transformers holds them (dsv4-tiny stores V4 Instruct's formats), as the benchmark takes them
-    base = v4_reference.fp32_weights(load_recipe("dsv4-tiny"))
-    recipe = recipe_variant(v4_reference.fp32_variant(base), SMALL_V4, name="dsv4-small-fp32")
-    weights = init_weights(Dims.from_recipe(recipe), v4_reference.SEED)
-    package = load(export_package(recipe, tmp_path, weights=weights).path)
+    package = load(dsv4_small_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a stream mismatch is warned about: here, fail
         results = v4_reference.measure(package, Settings(repeat=1, warmup=0), prompt_tokens=80, new_tokens=17,
