@@ -142,7 +142,6 @@ def _serve(package, items, options, flags) -> _Outcome | None:
     try:
         return _decode(load(package, rank=rank, peer_timeout=flags["join_timeout"]), package, items, options, channel)
     finally:
-        ranks.stop_followers(channel)
         ranks.leave_group()
 
 
@@ -166,6 +165,8 @@ def _decode(loaded, package, items, options, channel=None) -> _Outcome:
         wall = time.perf_counter() - started
         cache_stats = cache.stats_dict() if cache is not None else None
     finally:
+        if channel is not None:  # first: the L2 writes below may take longer than a step deadline
+            ranks.stop_followers(channel)
         if cache is not None:
             cache.close()  # waits for queued snapshots to reach the directory
     return _Outcome(engine, states, steps, codec, wall, cache_stats)
