@@ -146,6 +146,7 @@ def _serve(package, items, options, flags) -> _Outcome | None:
 
 
 def _decode(loaded, package, items, options, channel=None) -> _Outcome:
+    from b12x_toolchain.runtime.parallel.lockstep import stop_followers
     from b12x_toolchain.runtime.serving.options import open_engine, open_prefix_cache
     from b12x_toolchain.runtime.serving.requests import check_request
 
@@ -166,7 +167,7 @@ def _decode(loaded, package, items, options, channel=None) -> _Outcome:
         cache_stats = cache.stats_dict() if cache is not None else None
     finally:
         if channel is not None:  # first: the L2 writes below may take longer than a step deadline
-            ranks.stop_followers(channel)
+            stop_followers(channel)
         if cache is not None:
             cache.close()  # waits for queued snapshots to reach the directory
     return _Outcome(engine, states, steps, codec, wall, cache_stats)

@@ -50,6 +50,7 @@ def serve(package, host, port, model_name, api_key, max_queue, max_body_bytes, g
 
 def _serve(options, context, host, port, grace_seconds, log_level) -> None:
     from b12x_toolchain.runtime import PackageError
+    from b12x_toolchain.runtime.parallel.lockstep import stop_followers
     from b12x_toolchain.runtime.serving.http.server import Server
     from b12x_toolchain.runtime.serving.http.service import Service
 
@@ -57,7 +58,7 @@ def _serve(options, context, host, port, grace_seconds, log_level) -> None:
         service = Service(options, context)
     except (PackageError, ValueError, OSError, RuntimeError) as exc:  # RuntimeError: torch's, preparing the session
         if context is not None:
-            ranks.stop_followers(context.channel)
+            stop_followers(context.channel)
         fail(str(exc))
     try:
         server = Server(service, host, port, grace_seconds, log_level)

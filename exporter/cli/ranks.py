@@ -177,16 +177,6 @@ def open_rank(flags: dict, device: str):
     return rank, ControlChannel(flags["step_deadline"], flags["join_timeout"])
 
 
-def stop_followers(channel) -> None:
-    """Rank 0 is done (or failed before its engine ran): the other ranks' loops return."""
-    from b12x_toolchain.runtime.parallel.control import RankLost
-
-    try:
-        channel.send([["stop"]])
-    except RankLost:
-        pass
-
-
 def run_worker(package: str, options, channel, join_timeout_s: float) -> None:
     """A rank other than 0: load this rank, follow rank 0 until it stops, exit (1 on failure).
     Signals are rank 0's to act on: it drains, then tells this rank to stop."""

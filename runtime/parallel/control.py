@@ -51,7 +51,7 @@ def lost(exc: RuntimeError, rank: int, world_size: int, what: str, limit_s: floa
     """The RankLost that torch.distributed's error means (a peer closed or timed out), else None."""
     text = str(exc)
     timed_out = "imeout" in text or "imed out" in text
-    if isinstance(exc, RankLost) or not (timed_out or "closed" in text or "reset" in text or "Broken pipe" in text):
+    if not (timed_out or "closed" in text or "reset" in text or "Broken pipe" in text):
         return None
     why = f"did not answer within {limit_s:g} s" if timed_out else "went away"
     return RankLost(f"rank {rank} of {world_size}: a peer {why} during {what} "
@@ -66,7 +66,7 @@ class ControlChannel:
         it, this group and the model's (the default group) wait deadline_s at most."""
         import torch.distributed as dist
 
-        self.deadline_s, self.join_timeout_s = deadline_s, join_timeout_s
+        self.deadline_s = deadline_s
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=join_timeout_s))
         self.limit_s = join_timeout_s

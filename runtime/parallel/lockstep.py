@@ -110,8 +110,10 @@ class LeaderSession:
         now = time.monotonic()
         if now - self._reported >= REPORT_EVERY_S:
             self.flush(("report",))
+            pools = sorted(self.local.pages.pool_stats())
             gathered = self._control(self.channel.gather, _report_values(self.local, self.replay_seconds))
-            self.rank_reports = [_report_dict(values, self.local) for values in gathered]
+            self.rank_reports = [{"replay_seconds": values[0], "pages_in_use": dict(zip(pools, map(int, values[1:])))}
+                                 for values in gathered]
             self._reported = self._ticked = now
         elif idle and now - self._ticked >= TICK_EVERY_S:
             self.agree(True)
@@ -123,22 +125,23 @@ class LeaderSession:
         check_same_pages(self.local, self.channel)
 
     def stop(self) -> None:
-        """Tell every other rank to stop (their loops return); a rank already gone is no error."""
+        """Tell every other rank to stop; what was still pending matters no more."""
         self._pending = []
-        try:
-            self.flush(("stop",))
-        except RankLost:
-            pass
+        stop_followers(self.channel)
+
+
+def stop_followers(channel: ControlChannel) -> None:
+    """Rank 0 is done (or failed before its engine ran): the other ranks' loops return. A rank
+    already gone is no error."""
+    try:
+        channel.send([["stop"]])
+    except RankLost:
+        pass
 
 
 def _report_values(session, replay_seconds: float) -> list[float]:
     pools = session.pages.pool_stats()
     return [replay_seconds] + [float(pools[name].in_use) for name in sorted(pools)]
-
-
-def _report_dict(values: list[float], session) -> dict:
-    pools = sorted(session.pages.pool_stats())
-    return {"replay_seconds": values[0], "pages_in_use": {pool: int(v) for pool, v in zip(pools, values[1:])}}
 
 
 class Follower:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from b12x_toolchain.runtime.errors import PagesExhausted
 from b12x_toolchain.runtime.prefix.keys import token_bytes
-from b12x_toolchain.runtime.prefix.snapshot import SnapshotCodec, SnapshotError
+from b12x_toolchain.runtime.prefix.snapshot import SnapshotError
 
 
 class LeaderPrefixCache:
@@ -76,11 +76,10 @@ class LeaderPrefixCache:
 
 
 class FollowerSnapshots:
-    """A worker's twins of rank 0's snapshots, by number, and its own L2 directory."""
+    """A worker's twins of rank 0's snapshots, by number, and its own L2 directory (or None)."""
 
-    def __init__(self, package, session, l2=None):
-        self.session, self.l2 = session, l2
-        self.codec = SnapshotCodec(package)
+    def __init__(self, session, codec, l2=None):
+        self.session, self.codec, self.l2 = session, codec, l2
         self.twins: dict[int, object] = {}
 
     def capture(self, number: int, slot: int, tokens: list[int], by_reference: bool, to_l2: bool) -> None:
@@ -113,8 +112,3 @@ class FollowerSnapshots:
             twin = self.twins.pop(number, None)
             if twin is not None:
                 twin.release()
-
-    def close(self) -> None:
-        self.drop(list(self.twins))
-        if self.l2 is not None:
-            self.l2.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from b12x_toolchain.runtime.serving.options import EngineOptions, open_session, rank_prefix_dir
+from b12x_toolchain.runtime.serving.options import EngineOptions, open_prefix_cache, open_session
 
 if TYPE_CHECKING:  # torch, which the command line imports only when a command runs
     from b12x_toolchain.runtime.parallel.control import ControlChannel
@@ -30,33 +30,20 @@ def follow_leader(package, options: EngineOptions, channel: "ControlChannel") ->
     (its first: comparing the page pools) until it sends stop. Raises RankLost when rank 0 goes
     away or stops answering."""
     from b12x_toolchain.runtime.parallel.lockstep import Follower, follow
+    from b12x_toolchain.runtime.parallel.lockstep_prefix import FollowerSnapshots
 
     session = open_session(package, options)
-    snapshots = _snapshots(package, session, options, channel.rank)
+    # The prefix cache rank 0 opens with the same options: on exactly when rank 0's is; its codec
+    # and this rank's L2 keep the twins (its own choices go unused: rank 0 makes them).
+    cache = open_prefix_cache(package, options, channel.rank)
+    snapshots = FollowerSnapshots(session, cache.codec, cache.l2) if cache is not None and cache.enabled else None
     try:
         follow(Follower(session, channel, snapshots))
     finally:
         if snapshots is not None:
-            snapshots.close()
-
-
-def _snapshots(package, session, options: EngineOptions, rank: int):
-    """This rank's twins of rank 0's prefix snapshots, when rank 0 keeps any (same options, same package)."""
-    from b12x_toolchain.runtime.parallel.lockstep_prefix import FollowerSnapshots
-    from b12x_toolchain.runtime.prefix.l2 import L2Store
-    from b12x_toolchain.runtime.prefix.snapshot import LayoutError
-
-    caps = package.manifest.model.capabilities or {}
-    if options.prefix_cache_bytes == 0 or caps.get("supports_prefix_snapshot") is not True:
-        return None
-    directory = rank_prefix_dir(options.prefix_cache_dir, rank)
-    l2 = L2Store(directory, options.prefix_cache_bytes) if directory is not None else None
-    try:
-        return FollowerSnapshots(package, session, l2)
-    except LayoutError:  # rank 0's cache is off for the same reason
-        if l2 is not None:
-            l2.close()
-        return None
+            snapshots.drop(list(snapshots.twins))
+        if cache is not None:
+            cache.close()
 
 
 def between_steps(session, idle: bool) -> None:
