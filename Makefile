@@ -50,7 +50,7 @@ demo: compile
 # One torch thread per process: the suite's tensors are tiny, and the two cores go to two
 # pytest workers instead (pytest-xdist; a module's tests stay on one worker, so its
 # module-scoped exports run once; tests/conftest.py shares the session's exports). A third
-# worker was measured slower (16:42 against 15:07): the suite is CPU-bound.
+# worker was measured slower (18:10 against 17:05 for `.ci/run`): the suite is CPU-bound.
 WORKERS ?= 2
 # PYTHONDONTWRITEBYTECODE emptied for the run: pytest then keeps the test modules it rewrites
 # for its assertions (collection in each worker takes 8 s instead of 16), and a module compiled
