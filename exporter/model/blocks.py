@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from b12x_toolchain.runtime.ops import fixed_order
 from b12x_toolchain.runtime.ops.opset import ops
 
 
@@ -116,10 +116,10 @@ def hc_mix(w, prefix, streams, iters, hc_eps, eps):
     """Pre/post/comb weights from the streams [R,T,N,D]; returns (post, comb, collapsed)."""
     n = streams.shape[-2]
     flat = unit_rms_norm(streams.flatten(-2), eps)
-    mix = F.linear(flat, w[prefix + "fn"])
+    mix = ops.dense_linear(flat, w[prefix + "fn"])
     base, scale = w[prefix + "base"], w[prefix + "scale"]
-    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    pre = fixed_order.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * fixed_order.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = mix[..., 2 * n :].unflatten(-1, (n, n)) * scale[2] + base[2 * n :].view(n, n)
     # Softmax, then Sinkhorn towards a doubly stochastic matrix: one op (runtime/ops/mhc_ops.py)
     # where the written-out loop is about six graph nodes per round.
@@ -129,28 +129,33 @@ def hc_mix(w, prefix, streams, iters, hc_eps, eps):
 
 
 def hc_merge(post, comb, block_out, streams):
-    """Expand a block's output to the streams and add the comb-mixed residual."""
-    return post[..., None] * block_out[..., None, :] + torch.matmul(comb.transpose(-1, -2), streams)
+    """Expand a block's output to the streams and add the comb-mixed residual.
+
+    The mix is written out (stream i gets the sum over j of comb[j, i] * streams[j]): a
+    batched matrix product would pick its kernel by the number of tokens."""
+    mixed = (comb[..., :, :, None] * streams[..., :, None, :]).sum(dim=-3)
+    return post[..., None] * block_out[..., None, :] + mixed
 
 
 def hc_head(w, prefix, streams, hc_eps, eps):
     flat = unit_rms_norm(streams.flatten(-2), eps)
-    mix = F.linear(flat, w[prefix + "hc_head.hc_fn"])
-    pre = torch.sigmoid(mix * w[prefix + "hc_head.hc_scale"] + w[prefix + "hc_head.hc_base"]) + hc_eps
+    mix = ops.dense_linear(flat, w[prefix + "hc_head.hc_fn"])
+    pre = fixed_order.sigmoid(mix * w[prefix + "hc_head.hc_scale"] + w[prefix + "hc_head.hc_base"]) + hc_eps
     return (pre[..., None] * streams).sum(dim=-2)
 
 
 # --- MoE -------------------------------------------------------------------------------
 
+# Activations from fixed_order: torch's own round a value by where it sits in the tensor.
 SCORING = {
-    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
-    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda x: fixed_order.softplus(x).sqrt(),
+    "sigmoid": fixed_order.sigmoid,
     "softmax": lambda x: x.softmax(dim=-1),
 }
 
 
 def _swiglu(gate, up, limit):
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return fixed_order.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def moe(w, m, x, tokens, v, linear, mesh=None):
@@ -175,10 +180,12 @@ def moe(w, m, x, tokens, v, linear, mesh=None):
         weights = torch.zeros_like(scores).scatter(-1, chosen, picked)  # [R,T,E]
         if local is not None:
             weights = weights[..., local]
-        gate_up = torch.einsum("rtd,eod->rteo", x, linear.value(w, m + "experts.gate_up_proj"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        routed = torch.einsum("rtei,edi,rte->rtd", _swiglu(gate, up, v.swiglu_limit),
-                              linear.value(w, m + "experts.down_proj"), weights)
+        gate_up_proj, down_proj = linear.value(w, m + "experts.gate_up_proj"), linear.value(w, m + "experts.down_proj")
+        experts = gate_up_proj.shape[0]
+        gate_up = ops.dense_linear(x, gate_up_proj.flatten(0, 1)).unflatten(-1, (experts, -1))  # [R,T,E,2I]
+        h = _swiglu(*gate_up.chunk(2, dim=-1), v.swiglu_limit)
+        down = torch.stack([ops.dense_linear(h[..., e, :], down_proj[e]) for e in range(experts)], dim=-1)  # [R,T,D,E]
+        routed = (down * weights[..., None, :]).sum(dim=-1)
     if m + "shared_experts.gate_proj.weight" not in w:
         return routed if mesh is None else mesh.reduce(routed)
     s = m + "shared_experts."

@@ -4,8 +4,9 @@ Both give the layer compute the same things — decoded window rows [R, S, D], t
 previous rows of a compressor's state ring, this pass's compressed entries as a later
 read returns them — so the layers are written once. Every cache access is a `b12x` op.
 
-A state ring keeps the raw [kv | gate] rows of the last `span - 1` committed positions at
-row `pos % span`: exactly what the next pass's first closing group can still need.
+A state ring keeps the raw [kv | gate] rows of the last `span` committed positions at row
+`pos % span`: the last `span - 1` are what the next pass's first closing group can still
+need, and every pass writes all `span`, so the ring's bytes do not depend on the pass.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class DirectIO:
     def state(self, name: str, span: int, rows: torch.Tensor) -> torch.Tensor:
         cache = self.caches[names.cache(name)]
         prev = ops.gather_rows(cache, self.row_ids, _before(self.positions, span - 1), rows.shape[-1], STATE_FORMAT)
-        keep = self.valid & (self.pos > self.end[:, None] - span)
+        # The last `span` positions, the ring's every row: a later pass reads only span - 1 of
+        # them, but a ring left as decoding leaves it holds the same bytes after any pass.
+        keep = self.valid & (self.pos >= self.end[:, None] - span)
         ops.write_rows(cache, rows, self.row_ids, self.pos % span, keep, STATE_FORMAT)
         return prev
 

@@ -19,6 +19,7 @@ from b12x_toolchain.exporter.model.blocks import rms_norm, rope
 from b12x_toolchain.exporter.model.cache_io import StagedIO
 from b12x_toolchain.exporter.model.draft_stages import DraftStages
 from b12x_toolchain.exporter.model.linears import as_float32
+from b12x_toolchain.runtime.ops import fixed_order
 from b12x_toolchain.runtime.package.abi import BufferSpec
 
 
@@ -74,7 +75,7 @@ class DSparkDrafter(DraftStages):
                 return c.attention(w, f"mtp.{s}.", streams, pos, main, lambda kv: io.window(names.stage(s), kv), visible)
             streams = c.ffn(w, f"mtp.{s}.", c.run_stage(s, w, io, streams, attention), tokens, d.draft_moe)
         logits, h = c.logits(w, "dspark.", streams)
-        confidence = torch.sigmoid(c.linear(w, "dspark.confidence.weight", h, w["dspark.confidence.bias"]))[..., 0]
+        confidence = fixed_order.sigmoid(c.linear(w, "dspark.confidence.weight", h, w["dspark.confidence.bias"]))[..., 0]
         return logits, confidence
 
     def markov_bias(self, w, prev: torch.Tensor) -> torch.Tensor:

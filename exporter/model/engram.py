@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from b12x_toolchain.exporter.model import buffer_names
 from b12x_toolchain.exporter.model.cache_io import _before
 from b12x_toolchain.exporter.model.engram_hashing import layer_multipliers, layer_primes
+from b12x_toolchain.runtime.ops import fixed_order
 from b12x_toolchain.runtime.ops.engram_ops import prime_offsets
 from b12x_toolchain.runtime.ops.opset import ops
 
@@ -115,7 +116,7 @@ class Engram:
         dot = (streams * gain * key).sum(-1)
         dot = dot * torch.rsqrt(streams.square().mean(-1) + d.eps) * torch.rsqrt(key.square().mean(-1) + d.eps)
         dot = dot / math.sqrt(dim)
-        gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=GATE_FLOOR).sqrt())
+        gate = fixed_order.sigmoid(torch.sign(dot) * dot.abs().clamp(min=GATE_FLOOR).sqrt())
         return streams + gate[..., None] * value[..., None, :]
 
     def lookup(self, layer: int, table, scale, row_ids: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """How the model multiplies by a weight, by the format the recipe stores it in.
 
-float32 weights are used as they are, so an fp32 recipe's graphs are what they always
-were. A bf16 weight is widened to float32 where it is used and the product is taken in
-float32, as `transformers` computes a checkpoint loaded with `dtype=torch.float32` (its
-bf16 tensors become float32 ones of the same values). Block-scaled weights go through
+Every product goes through the op set's linears, which compute a row the same way whatever
+the number of rows in the call (runtime/ops/fixed_order.py), so a token's numbers do not
+depend on the pass or the batch: float32 weights through `dense_linear`. A bf16 weight is
+widened to float32 where it is used and the product is taken in float32, as `transformers`
+computes a checkpoint loaded with `dtype=torch.float32` (its bf16 tensors become float32
+ones of the same values). Block-scaled weights go through
 the op set's quantized linears, which decode exactly and never hold the whole weight in
 float32: FP8 linears through `fp8_block_linear`, FP4 routed experts through
 `fp4_expert_linear` on the experts each token chose. The recipe's activation rule
@@ -13,7 +15,6 @@ float32: FP8 linears through `fp8_block_linear`, FP4 routed experts through
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from b12x_toolchain.exporter.model.weights import SCALE_SUFFIX, weight_formats
 from b12x_toolchain.runtime.ops.opset import ops
@@ -49,7 +50,8 @@ class Linears:
     def __call__(self, w, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, W, bias) with W the weight `name` in its stored format."""
         if not self.quantized(name):
-            return F.linear(x, as_float32(w[name]), bias)
+            out = ops.dense_linear(x, as_float32(w[name]))
+            return out if bias is None else out + bias
         fmt = self.formats[name]
         if fmt.kind != "fp8_e4m3":
             raise ValueError(f"{name} is stored {fmt.describe()}; only routed experts take fp4_e2m1")
@@ -61,8 +63,8 @@ class Linears:
         returns [R, T, G, out]."""
         groups = x.shape[-2]
         if not self.quantized(name):
-            weight = as_float32(w[name])
-            return torch.einsum("rtgi,goi->rtgo", x, weight.view(groups, -1, x.shape[-1]))
+            weight = as_float32(w[name]).view(groups, -1, x.shape[-1])
+            return torch.stack([ops.dense_linear(x[..., g, :], weight[g]) for g in range(groups)], dim=-2)
         fmt = self.formats[name]
         data, scale = w[name], w[name + SCALE_SUFFIX]
         rows, bm = data.shape[0] // groups, fmt.block[0]

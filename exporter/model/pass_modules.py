@@ -184,9 +184,9 @@ class CommitPass(DeepSeekPass):
 
 
 def _commit_ring(cache, stage, row_ids, pos, accepted, end, rows: int) -> None:
-    """Accepted staged rows into a ring of `rows` per slot: only the last `rows` positions of a
-    row's committed ones, which are all a later pass can read."""
-    ops.write_rows(cache, stage, row_ids, pos % rows, accepted & (pos > end - rows), "bytes")
+    """Accepted staged rows into a ring of `rows` per slot: the last `rows` positions of a row's
+    committed ones (a later pass can read the last rows - 1; the ring ends as decoding leaves it)."""
+    ops.write_rows(cache, stage, row_ids, pos % rows, accepted & (pos >= end - rows), "bytes")
 
 
 def _block_tables(inputs) -> dict:

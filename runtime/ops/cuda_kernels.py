@@ -21,7 +21,9 @@ Backends:
   no host sync, so they capture like the rest.
 * Triton for `hc_sinkhorn` (`triton_mhc`): one launch for the whole Sinkhorn loop, equal
   to the reference to float32 rounding.
-* Triton for the quantized linears of `quant_ops` (`triton_quant`): `fp8_block_linear`
+* Triton for the linears of `quant_ops` (`triton_quant`), in fixed tiles with a whole K
+  loop per tile, so a row's result does not depend on the rows beside it: `dense_linear`
+  multiplies float32 weights in IEEE float32; `fp8_block_linear`
   and `fp4_expert_linear` decode the checkpoint's FP8 and packed FP4 weights tile by tile
   in registers (never to a float32 copy) and agree with the references to float32
   accumulation order; the expert op groups rows by expert on the device, so it captures.
@@ -73,6 +75,7 @@ KERNELS = {
     "candidate_blocks": triton_indexer.candidate_blocks,
     "sparse_attention": triton_sparse.sparse_attention,
     "hc_sinkhorn": triton_mhc.hc_sinkhorn,
+    "dense_linear": triton_quant.dense_linear,
     "fp8_block_linear": triton_quant.fp8_block_linear,
     "fp4_expert_linear": triton_quant.fp4_expert_linear,
     "engram_hash": triton_engram.engram_hash,

@@ -1,8 +1,10 @@
-"""Linears over DeepSeek's native weight formats: block-scaled FP8 and grouped FP4 experts.
+"""The op set's linears: float32 weights, block-scaled FP8 and grouped FP4 experts.
 
-Both ops take the weights as the checkpoint stores them (formats/weight_formats.py) and
-return float32. The CPU references decode exactly and multiply in float32 with
-`F.linear`, which is what transformers computes on CPU for these checkpoints (it
+Every op returns float32 and computes a row the same way whatever the number of rows in
+the call (fixed_order.py): a token's product does not depend on the pass or the batch.
+`dense_linear` takes a float32 weight. The quantized ones take the weights as the
+checkpoint stores them (formats/weight_formats.py); their CPU references decode exactly
+and multiply in float32, as transformers computes on CPU for these checkpoints (it
 dequantizes to float32 and runs `F.linear`); the Triton kernels (`triton_quant`) decode
 tiles in registers and agree to float32 accumulation order.
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from b12x_toolchain.runtime.formats.weight_formats import (
     act_quant_e4m3,
@@ -31,6 +32,7 @@ from b12x_toolchain.runtime.formats.weight_formats import (
     decode_fp8_block,
 )
 from b12x_toolchain.runtime.ops.define import fake_for, reference_op
+from b12x_toolchain.runtime.ops.fixed_order import linear_rows
 
 ACT_RULES = ("none", "deepseek")
 DECODE_CHUNK_ELEMENTS = 1 << 22
@@ -66,16 +68,24 @@ def _linear_by_row_chunks(x: torch.Tensor, decode_rows: Callable[[int, int], tor
     """x [..., in] @ W.T, W [out, in] decoded `decode_rows(start, stop)` a chunk of rows at a time.
 
     Chunks start on multiples of `align` (a scale block's rows). One chunk is the whole
-    weight for most layers of a tiny model, and then the result is `F.linear` itself.
+    weight for most layers of a tiny model. The chunks follow from the weight's shape alone,
+    never from the number of rows, so a row's result does not depend on the call either.
     """
     rows = max(align, DECODE_CHUNK_ELEMENTS // max(n_in, 1) // align * align)
     if rows >= n_out:
-        return F.linear(x, decode_rows(0, n_out))
+        return linear_rows(x, decode_rows(0, n_out))
     out = x.new_empty((*x.shape[:-1], n_out))
     for start in range(0, n_out, rows):
         stop = min(start + rows, n_out)
-        out[..., start:stop] = F.linear(x, decode_rows(start, stop))
+        out[..., start:stop] = linear_rows(x, decode_rows(start, stop))
     return out
+
+
+@reference_op()
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 [..., out] = x [..., in] @ W.T for a float32 weight W [out, in]."""
+    _check_in_features(x, weight.shape[1])
+    return linear_rows(x.to(torch.float32), weight)
 
 
 @reference_op()
@@ -122,6 +132,11 @@ def fp4_expert_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
     return out.view(*x.shape[:2], n_out)
 
 
+@fake_for(dense_linear)
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 @fake_for(fp8_block_linear)
 def _(x, weight, scale, block_m, block_n, act_rule):
     check_fp8_block(weight, scale, (block_m, block_n))
@@ -136,4 +151,4 @@ def _(x, expert_ids, weight, scale, act_rule):
     return x.new_empty((*x.shape[:2], weight.shape[1]), dtype=torch.float32)
 
 
-QUANT_OPS = ("fp8_block_linear", "fp4_expert_linear")
+QUANT_OPS = ("dense_linear", "fp8_block_linear", "fp4_expert_linear")

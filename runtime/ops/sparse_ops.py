@@ -23,6 +23,7 @@ import torch
 
 from b12x_toolchain.runtime.formats.codecs import get_format
 from b12x_toolchain.runtime.ops.define import fake_for, reference_op
+from b12x_toolchain.runtime.ops.fixed_order import dot_last, linear_rows, softmax_last, weighted_rows
 
 NEG_INF = float("-inf")
 
@@ -85,9 +86,11 @@ def _row_scores(q, head_weights, index_cache, new_keys, block_table, positions, 
     records = pages[block_table[r, :used].long()].flatten(0, 1)[:committed]
     keys = torch.cat([codec.decode(records, dim), new_keys[r, first::ratio].float()], dim=0)
     ids = torch.arange(keys.shape[0], device=keys.device)
-    # Same order of operations as the dense indexer: ReLU per head, scale, weight, sum.
-    per_head = torch.relu(torch.matmul(q[r], keys.t())) * dim ** -0.5  # [T, H, n]
-    score = (per_head * head_weights[r][..., None]).sum(dim=1)
+    # Same order of operations as the dense indexer: ReLU per head, scale, weight, sum, each
+    # product and the sum over heads rounded alike whatever the entries and queries
+    # (fixed_order.py).
+    per_head = torch.relu(linear_rows(q[r], keys)) * dim ** -0.5  # [T, H, n]
+    score = (per_head * head_weights[r][..., None]).transpose(1, 2).sum(dim=-1)
     below = torch.arange(start + 1, start + T + 1, device=keys.device) // ratio  # ids each query may see
     return ids, score.masked_fill(ids[None, :] >= below[:, None], NEG_INF)
 
@@ -185,36 +188,38 @@ def sparse_attention(
     # Zero window rows no query may see: stale or poisoned bytes must not reach 0 * NaN.
     keys = window.masked_fill(~window_visible.any(dim=1)[..., None], 0.0)
     S = keys.shape[1]
-    flat_q = q.reshape(R, T * H, D)  # matmuls over (query, head) rows: one bmm per product
-    window_scores = torch.bmm(flat_q, keys.transpose(1, 2)).view(R, T, H, S).mul(scale)
+    # Every reduction has an order the query fixes (fixed_order.py): the products through
+    # one kernel whatever the rows and keys, then softmax and the weighted sum over the keys
+    # in position order, one term after another, the window's then the entries'. A key the
+    # query does not see adds an exact zero, so a query's result is the same in every pass,
+    # whatever keys the pass holds besides.
+    window_scores = torch.stack([linear_rows(q[r], keys[r]) for r in range(R)]) * scale  # [R, T, H, S]
     parts = [window_scores.masked_fill(~window_visible[:, :, None, :], NEG_INF)]
     entries = None
     if entry_cache is not None:
         if indices is not None:
-            K = indices.shape[-1]
             entries = entry_rows(entry_cache, new_entries, block_table, positions, indices, ratio, D, fmt)
-            entries = entries.view(R * T, K, D)  # per (row, query): its own K entries
-            score = torch.bmm(q.reshape(R * T, H, D), entries.transpose(1, 2)).view(R, T, H, K).mul(scale)
-            parts.append(score.masked_fill((indices < 0)[:, :, None, :], NEG_INF))
+            entries = entries[:, :, None]  # [R, T, 1, K, D]: per (row, query) its own K entries
+            score = dot_last(q[..., None, :], entries) * scale
+            seen = (indices >= 0)[:, :, None, :]
         else:
             below = visible_below(positions, T, ratio)
             ids = torch.arange(int(below.max()), device=q.device).expand(R, -1)
             ids = torch.where(ids < below[:, -1:], ids, -1)
             entries = entry_rows(entry_cache, new_entries, block_table, positions, ids, ratio, D, fmt)  # [R,N,D]
-            score = torch.bmm(flat_q, entries.transpose(1, 2)).view(R, T, H, -1).mul(scale)
-            seen = (ids[:, None, :] >= 0) & (ids[:, None, :] < below[..., None])
-            parts.append(score.masked_fill(~seen[:, :, None, :], NEG_INF))
+            score = torch.stack([linear_rows(q[r], entries[r]) for r in range(R)]) * scale
+            entries = entries[:, None, None]  # [R, 1, 1, N, D]
+            seen = ((ids[:, None, :] >= 0) & (ids[:, None, :] < below[..., None]))[:, :, None, :]
+        parts.append(score.masked_fill(~seen, NEG_INF))
     parts.append(sinks.view(1, 1, H, 1).expand(R, T, H, 1).float())
-    logits = torch.cat(parts, dim=-1)
-    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)
-    out = torch.bmm(probs[..., :S].reshape(R, T * H, S), keys).view(R, T, H, D)
-    if entries is not None:
-        if indices is not None:
-            from_entries = torch.bmm(probs[..., S:-1].reshape(R * T, H, -1), entries)
-        else:
-            from_entries = torch.bmm(probs[..., S:-1].reshape(R, T * H, -1), entries)
-        out = out + from_entries.view(R, T, H, D)
-    return out
+    probs = softmax_last(torch.cat(parts, dim=-1))
+    # Window row j holds position positions - (S - T) + j; entry ids are their own places.
+    out = weighted_rows(probs[..., :S], keys, positions.long() - (S - T))
+    if indices is not None:  # a query's own K entries, the same list in every pass
+        out = out + (probs[..., S:-1, None] * entries).transpose(-1, -2).sum(dim=-1)
+    elif entries is not None:
+        out = out + weighted_rows(probs[..., S:-1], entries[:, 0, 0], torch.zeros_like(positions))
+    return out.contiguous()  # the layout the fake implementation declares
 
 
 @fake_for(indexer_topk)

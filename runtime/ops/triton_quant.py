@@ -1,5 +1,10 @@
-"""Triton kernels for the quantized linears of `quant_ops`, decoding weights in registers.
+"""Triton kernels for the linears of `quant_ops`, decoding quantized weights in registers.
 
+Every kernel tiles the output in fixed [BM, BN] tiles and sums a tile's whole K in one
+loop of fixed BK steps: a row's result never depends on how many rows the call holds
+(no tile size or split of K chosen by the shape), as `quant_ops` requires.
+
+* `dense_linear`: float32 weights, an IEEE float32 dot.
 * `fp8_block_linear`: each program computes a [BM, BN] tile of the output; per K step of
   32 inputs (inside one scale block for every block shape: 32 divides 128 and 32, and
   inside one 128-channel activation group) it loads the E4M3 weight bytes and one scale
@@ -106,13 +111,18 @@ def _dot(acc, xt, wt, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _output_tile(m, n_out, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's output rows and columns, and which of them exist."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    return rows, cols, rows < m, cols < n_out
+
+
+@triton.jit
 def _fp8_linear_kernel(x, x_scale, w, s, out, m, n_out, n_in, grid_n, act_groups, BLOCK_ROWS: tl.constexpr,
                        BLOCK_COLS: tl.constexpr, SCALE_UE8M0: tl.constexpr, DOT: tl.constexpr, ACT_GROUP: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    row_ok = rows < m
-    col_ok = cols < n_out
+    rows, cols, row_ok, col_ok = _output_tile(m, n_out, BM, BN)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, n_in, BK):
         k = k0 + tl.arange(0, BK)
@@ -163,6 +173,30 @@ def fp8_block_linear_by(dot: str, x: torch.Tensor, weight: torch.Tensor, scale: 
             xa, x_scale, weight.contiguous().view(torch.uint8), s.contiguous(), out, m, n_out, n_in, scale.shape[1],
             x_scale.shape[1], BLOCK_ROWS=block_m, BLOCK_COLS=block_n, SCALE_UE8M0=ue8m0, DOT=dot,
             ACT_GROUP=ACT_GROUP, BM=BM, BN=BN, BK=BK)
+    return out.view(*x.shape[:-1], n_out)
+
+
+@triton.jit
+def _dense_linear_kernel(x, w, out, m, n_out, n_in, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows, cols, row_ok, col_ok = _output_tile(m, n_out, BM, BN)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, n_in, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < n_in
+        xt = tl.load(x + rows[:, None].to(tl.int64) * n_in + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w + cols[:, None].to(tl.int64) * n_in + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(acc, xt, wt, False)
+    tl.store(out + rows[:, None].to(tl.int64) * n_out + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n_out, n_in = weight.shape
+    x2 = x.reshape(-1, n_in).to(torch.float32).contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n_out), dtype=torch.float32, device=x.device)
+    if m and n_out:
+        _dense_linear_kernel[(triton.cdiv(m, BM), triton.cdiv(n_out, BN))](
+            x2, weight.to(torch.float32).contiguous(), out, m, n_out, n_in, BM=BM, BN=BN, BK=BK)
     return out.view(*x.shape[:-1], n_out)
 
 

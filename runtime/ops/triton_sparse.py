@@ -10,8 +10,10 @@ past the committed length are never loaded (poisoned ones change nothing) and th
 capacity a block table addresses costs nothing.
 
 `sparse_attention` is one launch: one program per (row, pass token, block of heads) runs
-an online softmax over the window rows its query sees, then over its entries (the listed
-ids, or every id below its visible count), starting from the sink's logit. No host sync
+an online softmax over the window rows its query sees, in tiles anchored at absolute
+positions, then over its entries (the listed ids, or every id below its visible count, in
+tiles from id 0), starting from the sink's logit: a query's result does not depend on the
+pass, the rows or the keys its pass holds besides its own. No host sync
 and a static output shape, so a CUDA graph captures it. Dot products use IEEE fp32
 (`input_precision="ieee"`, not TF32): the result must stay within 1e-5 of the fp32
 reference.
@@ -108,9 +110,14 @@ def _attention(q, window, visible, sinks, cache, new, block_table, positions, in
     m = tl.load(sinks + h, mask=h < H, other=0.0).to(tl.float32)
     l = tl.full((BLOCK_H,), 1.0, tl.float32)
     acc = tl.zeros((BLOCK_H, DIM_P2), tl.float32)
-    for start in range(0, S, BLOCK_N):
+    # Window row s holds position first + s; tiles start at multiples of BLOCK_N positions, so
+    # a query meets its keys in the same tiles, at the same places, in every pass (a tile it
+    # sees nothing of changes no bit), whatever rows the pass holds before them.
+    first = tl.load(positions + r).to(tl.int32) - (S - T)
+    shift = ((first % BLOCK_N) + BLOCK_N) % BLOCK_N
+    for start in range(-shift, S, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
-        seen = tl.load(visible + rt.to(tl.int64) * S + s, mask=s < S, other=0) != 0
+        seen = tl.load(visible + rt.to(tl.int64) * S + s, mask=(s >= 0) & (s < S), other=0) != 0
         # Only rows this query sees are loaded: stale window rows never meet 0 * NaN.
         at = (r.to(tl.int64) * S + s[:, None]) * DIM + d[None, :]
         keys = tl.load(window + at, mask=seen[:, None] & dim_ok, other=0.0)

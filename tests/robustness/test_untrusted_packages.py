@@ -103,7 +103,7 @@ TARGETS = [
 @pytest.mark.parametrize("target", TARGETS)
 def test_a_node_target_outside_the_op_set_is_refused_before_deserialising(small_path, tmp_path, target):
     package = with_graph(small_path, tmp_path, lambda doc: first_node(doc).update(target=target))
-    with pytest.raises(PackageError, match=rf"{GRAPH}: node '\w+': target .* is outside op set v6"):
+    with pytest.raises(PackageError, match=rf"{GRAPH}: node '\w+': target .* is outside op set v7"):
         load(package)
 
 

@@ -268,7 +268,7 @@ def v41_package(small_release_path):
 
 def test_v41_speculation_equals_greedy(v41_package):
     weights = v41_package.manifest.weights
-    assert (v41_package.manifest.format_version, v41_package.manifest.opset_version) == ("4.3", 6)
+    assert (v41_package.manifest.format_version, v41_package.manifest.opset_version) == ("4.3", 7)
     assert weights.activation == "deepseek"
     assert {f.describe() for f in weights.formats.values()} == {"fp8_e4m3 32x32 ue8m0", "fp4_e2m1 1x32 ue8m0",
                                                                 "bf16"}

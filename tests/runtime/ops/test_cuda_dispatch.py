@@ -19,7 +19,8 @@ from paths import ROOT
 
 OPS = ("window_snapshot", "cache_append", "window_snapshot_append", "window_read", "window_commit",
        "write_rows", "write_slots", "gather_rows", "stage_rows", "read_rows", "round_trip", "set_seq_len",
-       "indexer_topk", "candidate_blocks", "sparse_attention", "hc_sinkhorn", "fp8_block_linear", "fp4_expert_linear",
+       "indexer_topk", "candidate_blocks", "sparse_attention", "hc_sinkhorn", "dense_linear", "fp8_block_linear",
+       "fp4_expert_linear",
        "engram_hash", "engram_lookup")
 
 
@@ -36,7 +37,7 @@ def test_every_op_of_the_set_has_a_backend():
     assert {name: backend_for(name, "cpu") for name in OPS} == dict.fromkeys(OPS, "reference")
     cuda = {name: backend_for(name, "cuda") for name in OPS}
     assert cuda == {**dict.fromkeys(OPS, "triton"), "set_seq_len": "reference"}
-    with pytest.raises(ValueError, match="not an op of op set v6"):
+    with pytest.raises(ValueError, match="not an op of op set v7"):
         backend_for("window_magic", "cuda")
 
 

@@ -64,7 +64,7 @@ def _expected_buffers(d: Dims) -> dict[str, dict]:
 
 def test_tiny_package_records_what_every_buffer_is(fused_pkg, tiny_recipe):
     d, m = Dims.from_recipe(tiny_recipe), fused_pkg.manifest.to_json()  # the document as written
-    assert m["format_version"] == "4.3" and m["opset_version"] == 6  # 4.3: the tiny recipe has Engram
+    assert m["format_version"] == "4.3" and m["opset_version"] == 7  # 4.3: the tiny recipe has Engram
     assert m["buffers"] == _expected_buffers(d)
     specs = {s["name"]: s for e in m["passes"].values() for s in e["inputs"] if s["role"] in ("cache", "staging")}
     assert set(specs) == set(m["buffers"])
@@ -124,10 +124,10 @@ def test_a_format_1_package_is_refused_with_the_re_export_advice(tiny_recipe, tm
         read_back(m, tmp_path)
 
 
-@pytest.mark.parametrize("old", [1, 2, 3, 4, 5])  # 4: before the quantized linears, 5: before Engram's ops
+@pytest.mark.parametrize("old", [1, 2, 3, 4, 5, 6])  # 4: before the quantized linears, 5: before Engram's ops, 6: before row-invariant ops
 def test_an_older_op_set_package_is_refused_with_the_re_export_advice(tiny_recipe, tmp_path, old):
     m = edited(contract_manifest(tiny_recipe), lambda x: x.update(opset_version=old))
-    with pytest.raises(PackageError, match=rf"opset_version {old} is unknown; this runtime has op set 6: re-export it with "
+    with pytest.raises(PackageError, match=rf"opset_version {old} is unknown; this runtime has op set 7: re-export it with "
                                            r"this version of b12x \(b12x export --recipe dsv41-tiny\)"):
         read_back(m, tmp_path)
 
@@ -137,8 +137,8 @@ def test_a_newer_format_or_op_set_asks_for_a_newer_b12x(tiny_recipe, tmp_path):
     for newer in ("5.0", "4.5"):
         with pytest.raises(PackageError, match=rf"format_version {newer} is not supported .*reads 4\.0 to 4\.4.*newer b12x"):
             read_back(edited(base, lambda x: x.update(format_version=newer)), tmp_path)
-    with pytest.raises(PackageError, match=r"opset_version 7 is unknown; .*not an op set this runtime knows"):
-        read_back(edited(base, lambda x: x.update(opset_version=7)), tmp_path)
+    with pytest.raises(PackageError, match=r"opset_version 8 is unknown; .*not an op set this runtime knows"):
+        read_back(edited(base, lambda x: x.update(opset_version=8)), tmp_path)
     assert read_back(base, tmp_path).format_version == "4.3"  # the unedited manifest reads
 
 
@@ -151,7 +151,7 @@ def test_every_minor_up_to_this_runtimes_reads(tiny_recipe, tmp_path, minor):
 def test_a_package_with_weight_formats_is_written_and_read_as_4_2(tmp_path):
     # dsv4-tiny stores V4 Instruct's formats: `weights.formats` and `weights.activation`, new in 4.2.
     m = contract_manifest(load_recipe("dsv4-tiny"))
-    assert (m["format_version"], m["opset_version"]) == ("4.2", 6)
+    assert (m["format_version"], m["opset_version"]) == ("4.2", 7)
     read = read_back(m, tmp_path)
     assert read.weights.activation == "deepseek" and read.weights.formats
     assert {f.describe() for f in read.weights.formats.values()} == {"fp8_e4m3 128x128 ue8m0", "fp4_e2m1 1x32 ue8m0",

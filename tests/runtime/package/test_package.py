@@ -40,7 +40,7 @@ def test_export_twice_in_another_process_is_byte_identical(small_path, small_rec
 
 def test_manifest_records_what_the_abi_says(fused_pkg, tiny_recipe):
     m = fused_pkg.manifest
-    assert m.format_version == "4.3" and m.opset_version == 6
+    assert m.format_version == "4.3" and m.opset_version == 7
     assert m.recipe_sha256 == tiny_recipe.sha256()
     assert m.passes["verify"].width == 8 and m.passes["draft"].width == 7
     assert m.passes["verify"].rows_buckets == (1, 2, 4, 8)
@@ -109,8 +109,8 @@ def test_load_refuses_a_newer_minor_and_an_older_major(copy_of):
 
 
 def test_load_refuses_an_unknown_opset(copy_of):
-    _edit_manifest(copy_of, lambda m: m.update(opset_version=7))
-    with pytest.raises(PackageError, match="opset_version 7 is unknown"):
+    _edit_manifest(copy_of, lambda m: m.update(opset_version=8))
+    with pytest.raises(PackageError, match="opset_version 8 is unknown"):
         load(copy_of)
 
 

@@ -155,7 +155,7 @@ def test_graph_calling_an_op_outside_the_op_set_is_refused(fused_pkg):
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     graph.output(graph.call_function(torch.ops.prims.convert_element_type.default, (x, torch.float16)))
-    with pytest.raises(PackageError, match="calls prims.convert_element_type.default, which is outside op set v6"):
+    with pytest.raises(PackageError, match="calls prims.convert_element_type.default, which is outside op set v7"):
         check_graph_ops("graphs/verify.pt2", graph)
     check_graph_ops("graphs/verify.pt2", fused_pkg.passes["verify"].program.graph)  # the real graph passes
 
