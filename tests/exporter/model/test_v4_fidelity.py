@@ -20,7 +20,7 @@ from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
 from decode_steps import FP32_CACHES, exported, incremental, prefill, relative_rms
 from hf_reference import fp32_tiny_recipe, reference_logits, save_tiny_checkpoint
-from near_ties import first_difference
+from same_tokens import assert_same_tokens
 
 pytestmark = pytest.mark.slow(minutes=1.0)  # the module's time on two busy cores: longest runs first
 
@@ -177,7 +177,7 @@ def test_speculation_equals_greedy(quantised_pkg, sequences):
     oracle = Decoder(quantised_pkg.session(slots=2, max_rows=2), drafter=drafter)
     right = oracle.generate(prompts, 40)
     for slot in range(2):
-        first_difference(got[slot], want[slot], greedy.margins[slot], f"MTP request {slot}")
-        first_difference(right[slot], want[slot], greedy.margins[slot], f"oracle request {slot}")
+        assert_same_tokens(got[slot], want[slot], f"MTP request {slot}")
+        assert_same_tokens(right[slot], want[slot], f"oracle request {slot}")
     assert mtp.stats.drafted >= 7 * mtp.stats.steps
     assert {0, 7} <= counts and oracle.stats.as_dict()["tokens_per_step"] > 1.5

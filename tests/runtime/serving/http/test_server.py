@@ -19,7 +19,7 @@ from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from conftest import random_tokens
 from http_serving import client, metric, pages_in_use, scrape, start_server
-from near_ties import first_difference
+from same_tokens import assert_same_tokens
 
 MODEL = "dsv41-tiny"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -69,7 +69,26 @@ def test_streams_match_the_engine_offline(server, fused_pkg):
     session = fused_pkg.session(slots=server.service.session.slots, passes=("prefill", "verify", "commit", "draft"))
     offline = Engine(session).generate(requests)
     for request, tokens, state in zip(requests, got, offline):
-        first_difference(tokens, state.tokens, state.margins, f"request {request.id}")
+        assert_same_tokens(tokens, state.tokens, f"request {request.id}")
+
+
+def test_answers_do_not_depend_on_the_concurrency(server):
+    """The same 16 requests, greedy and sampled with seeds, sent one at a time, 4 and 16 at once
+    (and so batched with other neighbours, in other slots, some from the prefix cache): every
+    request's tokens are the same each time."""
+    api = client(server)
+    work = [(p, {} if i % 2 else {"temperature": 0.8, "seed": 100 + i}) for i, p in enumerate(prompts(16, seed=31))]
+
+    def ask(item):
+        prompt, sampling = item
+        return api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampling).choices[0].token_ids
+
+    answers = []
+    for concurrency in (1, 4, 16):
+        with ThreadPoolExecutor(concurrency) as pool:
+            answers.append(list(pool.map(ask, work)))
+    for i in range(len(work)):
+        assert answers[1][i] == answers[0][i] and answers[2][i] == answers[0][i], f"request {i}"
 
 
 def test_stream_usage_and_cached_tokens(server):
