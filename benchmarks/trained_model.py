@@ -9,7 +9,11 @@ library files its training never saw) at temperature 0, one thread, uncompiled r
   pass, against the same package decoding one token a step through its decode pass (no
   drafter). Prefill is the same on both sides and left out. Each request runs alone;
 * held-out perplexity of the target: exp(mean next-token loss) over fixed held-out windows,
-  from the package's own prefill replays (the shipped formats, quantized caches included).
+  from the package's own prefill replays (the shipped formats, quantized caches included);
+* what exact decoding costs: decode tokens/s of the op set's row-invariant arithmetic
+  against the arithmetic torch picks by shape (`fixed_order.shape_dependent`, what the ops
+  did before), plain and speculative, on the first EXACT_PROMPTS prompts. The two round
+  differently, so their greedy texts (and so tokens per step) may part; both are reported.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.exporter.train.corpus import load_corpus
 from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.ops import fixed_order
 from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from benchmarks.registry import Measurement, Settings, benchmark, compare_rates
@@ -37,6 +42,7 @@ PROMPTS = 16  # held-out files, one prompt each
 PROMPT_TOKENS = 64
 NEW_TOKENS = 64
 PROMPT_OFFSET = 128  # into each file: past the license header and module docstring
+EXACT_PROMPTS = 4
 PERPLEXITY_WINDOWS = 32
 WINDOW = 128
 
@@ -119,7 +125,37 @@ def measure(package, settings: Settings) -> list[Measurement]:
     per_step = Measurement("trained_model.tokens_per_step", "speculative, per decode step", "tokens", "plain",
                            "speculative", 1.0, last["speculative"]["tokens_per_step"],
                            last["speculative"]["tokens_per_step"], dict(rates.params))
-    return [rates, per_step]
+    return [rates, per_step] + exact_cost(session, prompts[:EXACT_PROMPTS], settings)
+
+
+def exact_cost(session, prompts, settings: Settings) -> list[Measurement]:
+    """Row-invariant ops against shape-dependent ones, plain and speculative (one thread)."""
+    out = []
+    for label, speculative in (("decode pass", False), ("speculative", True)):
+        steps = {}
+
+        def rate(exact: bool, speculative=speculative, steps=steps):
+            def run() -> float:
+                if exact:
+                    result = decode(session, prompts, speculative)
+                else:
+                    with fixed_order.shape_dependent():
+                        result = decode(session, prompts, speculative)
+                steps[exact] = result["tokens_per_step"]
+                return result["tokens_per_second"]
+            return run
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            m = compare_rates("trained_model.exact_cost", f"{label}, {len(prompts)} held-out prompts", rate(False),
+                              rate(True), settings, "shape-dependent ops", "row-invariant ops", "tokens/s")
+        finally:
+            torch.set_num_threads(threads)
+        m.params = {"prompts": len(prompts), "tokens_per_step_shape_dependent": steps[False],
+                    "tokens_per_step_row_invariant": steps[True]}
+        out.append(m)
+    return out
 
 
 @benchmark("trained_model")
