@@ -68,7 +68,7 @@ class DSparkDrafter(DraftStages):
         pos = positions.long()[:, None] + torch.arange(d.draft_width, device=positions.device)
         main = c.angles(pos).with_views()
         x = c.embed(w, tokens)
-        streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
+        streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1).contiguous()  # every layer's streams alike
         visible = c.visible(pos, io.key_positions(d.draft_width), block_from=d.history)
         for s in range(d.draft_stages):
             def attention(streams, s=s):

@@ -39,7 +39,7 @@ class DeepSeekPass(DeepSeekCompute):
         main = self.angles(pos).with_views()
         compress = self.compress_angles(pos).with_views() if any(d.ratios) else None
         x = self.embed(w, tokens)
-        streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1)
+        streams = x[:, :, None, :].expand(-1, -1, d.hc_mult, -1).contiguous()  # every layer's streams alike
         shared, taps = Shared(), {}
         visible = self.visible(pos, io.key_positions(pos.shape[1]))
         engram = self.engram.hashes(w, io, tokens) if self.engram else {}  # every layer's rows, before layer 0

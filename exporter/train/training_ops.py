@@ -84,7 +84,7 @@ def training_ops(distillation: IndexerDistillation | None = None) -> SimpleNames
     """The op set's names bound to differentiable references (or gradient-free ones)."""
     ops = {name: getattr(module, name) for module, names in (
         (sparse_ops, ("sparse_attention",)), (engram_ops, ("engram_lookup",)),
-        (quant_ops, ("fp8_block_linear", "fp4_expert_linear")),
+        (quant_ops, ("dense_linear", "fp8_block_linear", "fp4_expert_linear")),
     ) for name in names}
     for module, names in ((sparse_ops, ("indexer_topk", "candidate_blocks")), (engram_ops, ("engram_hash",)),
                           (opset, ("window_snapshot", "cache_append", "window_snapshot_append", "window_read",
