@@ -17,9 +17,10 @@ What is invariant here (tests/runtime/ops/test_row_invariance.py holds each of t
 reductions over the last axis of a fixed length (norms, softmax over a fixed group, sums
 over a head or a feature axis); elementwise `exp`, `log`, `sqrt`, `rsqrt`, `sin`, `cos`;
 a matrix product whose rows are padded to whole tiles of `ROW_TILE` (at least one) and
-whose other side keeps its size; and a sum taken one term after another in float64, where
-a term that is exactly zero (a key a query does not see) changes nothing, so the sum over
-a query's keys is the same wherever and among however many masked keys they sit.
+whose other side keeps its size; and a sum taken one term after another (or block after
+block of positions), where a term that is exactly zero (a key a query does not see) changes
+nothing, so the sum over a query's keys is the same wherever and among however many masked
+keys they sit.
 """
 
 from __future__ import annotations

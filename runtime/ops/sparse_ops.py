@@ -169,6 +169,11 @@ def candidate_blocks(
     return out
 
 
+def _products(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [R, T, H, D] . keys [R, S, D] -> [R, T, H, S], each row's products through one kernel."""
+    return torch.stack([linear_rows(q[r], keys[r]) for r in range(q.shape[0])])
+
+
 @reference_op()
 def sparse_attention(
     q: torch.Tensor, window: torch.Tensor, window_visible: torch.Tensor, sinks: torch.Tensor,
@@ -193,7 +198,7 @@ def sparse_attention(
     # in position order, one term after another, the window's then the entries'. A key the
     # query does not see adds an exact zero, so a query's result is the same in every pass,
     # whatever keys the pass holds besides.
-    window_scores = torch.stack([linear_rows(q[r], keys[r]) for r in range(R)]) * scale  # [R, T, H, S]
+    window_scores = _products(q, keys) * scale  # [R, T, H, S]
     parts = [window_scores.masked_fill(~window_visible[:, :, None, :], NEG_INF)]
     entries = None
     if entry_cache is not None:
@@ -207,7 +212,7 @@ def sparse_attention(
             ids = torch.arange(int(below.max()), device=q.device).expand(R, -1)
             ids = torch.where(ids < below[:, -1:], ids, -1)
             entries = entry_rows(entry_cache, new_entries, block_table, positions, ids, ratio, D, fmt)  # [R,N,D]
-            score = torch.stack([linear_rows(q[r], entries[r]) for r in range(R)]) * scale
+            score = _products(q, entries) * scale
             entries = entries[:, None, None]  # [R, 1, 1, N, D]
             seen = ((ids[:, None, :] >= 0) & (ids[:, None, :] < below[..., None]))[:, :, None, :]
         parts.append(score.masked_fill(~seen, NEG_INF))
