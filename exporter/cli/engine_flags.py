@@ -26,6 +26,10 @@ ENGINE_FLAGS = (
                       "--pages)."),
     click.option("--greedy", is_flag=True,
                  help="Plain greedy decoding, one token per step, instead of speculative decoding."),
+    click.option("--always-draft", is_flag=True,
+                 help="Draft for every greedy request every step, even while its drafts are not accepted often "
+                      "enough to pay for verifying them [default: such a request decodes one token a step and "
+                      "tries drafting again later]."),
     click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
                  help="Temperature of requests that set none: 0 decodes greedily; above 0 samples (speculative "
                       "sampling keeps the target's distribution)."),
@@ -59,6 +63,7 @@ def engine_options(flags: dict) -> EngineOptions:
     before anything loads. Sets torch's thread count when --threads is given."""
     options = dict(device=flags["device"], slots=flags["slots"], pages=flags["pages"],
                    cache_bytes=flags["cache_bytes"], speculative=not flags["greedy"],
+                   adaptive=not flags["always_draft"],
                    temperature=flags["temperature"], top_p=flags["top_p"], seed=flags["seed"],
                    prefix_cache_bytes=flags["prefix_cache_bytes"], prefix_cache_dir=flags["prefix_cache_dir"],
                    compile=flags["compiled"])

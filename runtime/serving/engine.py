@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from b12x_toolchain.runtime.serving.draft_policy import DraftPolicy
 from b12x_toolchain.runtime.serving.executor import Executor
 from b12x_toolchain.runtime.serving.requests import Request, RequestState
 from b12x_toolchain.runtime.serving.scheduler import Sampling, Scheduler, check_slots
@@ -22,19 +23,21 @@ from b12x_toolchain.runtime.serving.stats import EngineStats, StepStats
 DECODE_PASSES = ("draft", "verify", "commit")
 
 
-def passes_used(package_passes, speculative: bool = True, drafter=None) -> tuple[str, ...]:
+def passes_used(package_passes, speculative: bool = True, drafter=None, adaptive: bool = False) -> tuple[str, ...]:
     """The passes an engine replays: prefill, then decode for plain decoding where the package
-    has it, else verify and commit, with draft when speculating without a drafter of its own.
+    has it, else verify and commit, with draft when speculating without a drafter of its own,
+    and decode as well when rows may step aside from drafting (`adaptive`, draft_policy.py).
     A session of just these deserialises no other graph."""
     if not speculative and "decode" in package_passes:
         return "prefill", "decode"
-    return ("prefill", "verify", "commit") + (("draft",) if speculative and drafter is None else ())
-
+    aside = ("decode",) if speculative and adaptive and "decode" in package_passes else ()
+    return ("prefill", "verify", "commit") + (("draft",) if speculative and drafter is None else ()) + aside
 
 
 class Engine:
     def __init__(self, session, *, speculative: bool = True, temperature: float = 0.0, seed: int = 0,
-                 drafter=None, slots: Iterable[int] | None = None, prefix_cache=None, top_p: float = 1.0):
+                 drafter=None, slots: Iterable[int] | None = None, prefix_cache=None, top_p: float = 1.0,
+                 adaptive: bool = False):
         """Serve requests over `slots` of `session` (default: all of them).
 
         speculative: draft and verify up to draft_width + 1 tokens per step; otherwise one.
@@ -50,6 +53,9 @@ class Engine:
             cache's boundaries. Requests of one prompt (an API request's n samples) are then
             prefilled once: the others wait for the next prefill batch, which restores the
             first one's snapshot and shares its pages.
+        adaptive: greedy rows of a drafting engine decode through the decode pass while drafting
+            does not pay for them, and probe again later (draft_policy.py); needs the decode pass
+            in the session. Otherwise every row drafts every step.
         """
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -62,7 +68,7 @@ class Engine:
         self.max_seq_len = package.manifest.model.max_seq_len
         self.verify_width = package.passes["verify"].width
         self.draft_width = package.passes["draft"].width
-        self.passes = passes_used(session.buckets, speculative, drafter)
+        self.passes = passes_used(session.buckets, speculative, drafter, adaptive)
         missing = [p for p in self.passes if p not in session.buckets]
         if missing:
             raise ValueError(f"the session has no {', '.join(missing)} pass; this engine replays "
@@ -72,13 +78,15 @@ class Engine:
         decode_pass = "decode" if not speculative and "decode" in session.buckets else None
         # A group must fit one bucket of every pass it replays.
         decode_rows = max(session.buckets["decode"]) if decode_pass else \
-            min((max(session.buckets[p]) for p in DECODE_PASSES if p in self.passes), default=None)
+            min((max(session.buckets[p]) for p in DECODE_PASSES + ("decode",) if p in self.passes), default=None)
         prefill_rows = max(session.buckets["prefill"])
         self.slots = check_slots(session, slots)
         self.scheduler = Scheduler(session, self.slots, self.sampling, prefix_cache, self.verify_width,
                                    prefill_rows, decode_rows, decode_rows if decode_pass else prefill_rows)
+        policy = DraftPolicy(lambda mode, rows: session.bucket_for(mode, rows).rows) \
+            if "decode" in self.passes and speculative else None
         self.executor = Executor(session, self.slots, self.scheduler.span, speculative=speculative, drafter=drafter,
-                                 prefix_cache=prefix_cache, decode_pass=decode_pass)
+                                 prefix_cache=prefix_cache, decode_pass=decode_pass, policy=policy)
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self._step_calls = 0
@@ -87,7 +95,8 @@ class Engine:
         """What this engine was built with, as plain data (the same options give the same data)."""
         cache = self.prefix_cache
         return {"device": str(self.session.device), "slots": len(self.slots), "passes": list(self.passes),
-                "speculative": self.speculative, "temperature": self.sampling.temperature,
+                "speculative": self.speculative, "adaptive": self.executor.policy is not None,
+                "temperature": self.sampling.temperature,
                 "top_p": self.sampling.top_p, "seed": self.sampling.seed,
                 "pages": {name: s.pages for name, s in self.session.pages.pool_stats().items()},
                 "prefix_cache": None if cache is None else cache.configuration()}

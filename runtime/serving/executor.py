@@ -27,11 +27,13 @@ from b12x_toolchain.runtime.session.transfers import download, to_device
 
 class Executor:
     def __init__(self, session, slots: list[int], span, *, speculative: bool, drafter, prefix_cache,
-                 decode_pass: str | None):
-        """span(request): the most tokens a request's slot may hold (the scheduler's)."""
+                 decode_pass: str | None, policy=None):
+        """span(request): the most tokens a request's slot may hold (the scheduler's).
+        policy: a DraftPolicy (draft_policy.py) that lets rows of a drafting engine decode
+        through the decode pass while drafting does not pay; None: every row drafts."""
         self.session, self.slots, self.span = session, slots, span
         self.speculative, self.drafter, self.prefix_cache = speculative, drafter, prefix_cache
-        self.decode_pass = decode_pass
+        self.decode_pass, self.policy = decode_pass, policy
         package = session.package
         self.vocab_size = package.vocab_size
         self.noise = package.manifest.model.noise_token_id
@@ -41,9 +43,25 @@ class Executor:
     def decode(self, plan, stats: StepStats) -> None:
         """One step's DecodePlan: every group decodes once, the tail one token at a time."""
         for group in plan.groups:
-            self.decode_group(group, stats)
+            if self.policy is None:
+                self.decode_group(group, stats)
+            else:
+                self._decode_as_it_pays(group, stats)
         for group in plan.tail:
             self.decode_one(group, stats)
+
+    def _decode_as_it_pays(self, group: list[RequestState], stats: StepStats) -> None:
+        """Draft, verify and commit the group while that pays (draft_policy.py); else decode it."""
+        start = time.perf_counter()
+        if self.policy.drafts(group):
+            before = [r.accepted for r in group]
+            self.decode_group(group, stats)
+            self.policy.drafted(group, [r.accepted - b + 1 for r, b in zip(group, before)],
+                                time.perf_counter() - start)
+        else:
+            self.decode_one(group, stats, "decode")
+            self.policy.decoded(group, time.perf_counter() - start)
+            stats.aside_rows += len(group)
 
     def _replay(self, pass_name: str, stats: StepStats, **values) -> dict:
         rows = len(values["slot_ids"])
@@ -201,11 +219,11 @@ class Executor:
             request.length += len(emitted)
             self._finish_step(request, emitted, margins, stats, logprobs)
 
-    def decode_one(self, rows: list[RequestState], stats: StepStats) -> None:
+    def decode_one(self, rows: list[RequestState], stats: StepStats, name: str | None = None) -> None:
         """One token per row through decode (or prefill), which writes the pending token's rows directly."""
         slots = [r.slot for r in rows]
         check_slot_ids(slots, self.slots)
-        name = self.decode_pass or "prefill"
+        name = name or self.decode_pass or "prefill"
         width = self.session.package.passes[name].width
         out = self._replay(name, stats, token_ids=[[r.pending] + [0] * (width - 1) for r in rows],
                            slot_ids=slots, positions=[r.length for r in rows], new_tokens=[1] * len(rows))

@@ -21,6 +21,7 @@ class EngineOptions:
     pages: int | None = None  # per paged-cache pool; default: what the session's memory share holds
     cache_bytes: int | None = None  # instead of pages: the paged caches' byte budget
     speculative: bool = True  # draft and verify; otherwise one token per step
+    adaptive: bool = True  # greedy rows decode without drafting while drafting does not pay (draft_policy.py)
     temperature: float = 0.0  # for requests that set none: 0 decodes greedily
     top_p: float = 1.0
     seed: int = 0
@@ -82,7 +83,7 @@ def open_session(package, options: EngineOptions, drafter=None):
     slots = options.slots or package.passes["verify"].rows_buckets[-1]
     return package.session(device=options.device, slots=slots, pages=options.pages, cache_bytes=options.cache_bytes,
                            compile=options.compile, capture=options.capture,
-                           passes=passes_used(package.passes, options.speculative, drafter))
+                           passes=passes_used(package.passes, options.speculative, drafter, options.adaptive))
 
 
 def open_engine(package, options: EngineOptions, prefix_cache=None, drafter=None, channel=None):
@@ -100,5 +101,6 @@ def open_engine(package, options: EngineOptions, prefix_cache=None, drafter=None
         session = LeaderSession(session, channel)
         session.check_pages()
         prefix_cache = LeaderPrefixCache(prefix_cache, session) if prefix_cache is not None else None
-    return Engine(session, speculative=options.speculative, temperature=options.temperature, top_p=options.top_p,
+    return Engine(session, speculative=options.speculative, adaptive=options.adaptive,
+                  temperature=options.temperature, top_p=options.top_p,
                   seed=options.seed, drafter=drafter, prefix_cache=prefix_cache)

@@ -78,6 +78,7 @@ class RequestState:
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when logprobs is set
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt[1:], when asked
     error: str | None = None  # why the request failed (finish_reason "error"); other requests go on
+    speculation: float | None = None  # a greedy request's tokens per verify step, averaged (draft_policy.py)
 
     @property
     def done(self) -> bool:

@@ -21,6 +21,7 @@ class Counters:
     prefill_tokens: int = 0
     admitted: int = 0
     retired: int = 0
+    aside_rows: int = 0  # row-steps a drafting engine decoded without drafting (draft_policy.py)
     slot_reuse: int = 0  # admissions into a slot an earlier request of this engine held
     page_waits: int = 0  # admissions deferred because the request's pages could not be had yet
     generated: int = 0  # tokens handed to requests (the first one comes from prefill)

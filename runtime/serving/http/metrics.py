@@ -4,8 +4,8 @@ Counters a client can check against its responses: requests by outcome (the fini
 of every request the engine took: stop, length, cancelled), refusals by HTTP status,
 prompt and generated tokens. Latency: time to first token from the request's arrival,
 and the gap between tokens (a step that emits k tokens counts its gap k times, over k).
-The engine: queue depth, running requests, drafted and accepted tokens, tokens per
-row-step, prefix-cache hits by tier and the prompt tokens they restored, pages in use; for a
+The engine: queue depth, running requests, drafted and accepted tokens, row-steps that
+stepped aside from drafting (draft_policy.py), tokens per row-step, prefix-cache hits by tier and the prompt tokens they restored, pages in use; for a
 parallel package, each rank's pages in use and replay time under a `rank` label.
 
 The same speculation counts also go out under the names vLLM gives them (`vllm:spec_decode_*`,
@@ -38,6 +38,8 @@ class ServerMetrics:
         self.running = Gauge("b12x_running_requests", "Requests holding a slot", registry=registry)
         self.drafted = Counter("b12x_drafted_tokens", "Draft tokens proposed", registry=registry)
         self.accepted = Counter("b12x_accepted_tokens", "Draft tokens the target accepted", registry=registry)
+        self.aside = Counter("b12x_draft_aside_row_steps", "Row-steps of greedy requests decoded without drafting, "
+                             "while their drafts were not accepted often enough to pay", registry=registry)
         self.tokens_per_step = Histogram("b12x_tokens_per_step", "Tokens emitted per request per decoding step, "
                                          "averaged over each engine step", buckets=STEP_TOKEN_BUCKETS,
                                          registry=registry)
@@ -73,6 +75,7 @@ class ServerMetrics:
         """One engine step's StepStats (serving/stats.py)."""
         self.drafted.inc(step.drafted)
         self.accepted.inc(step.accepted)
+        self.aside.inc(step.aside_rows)
         lengths = step.accepted_lengths if step.drafted else []
         self.spec_drafts.inc(len(lengths))
         self.spec_draft_tokens.inc(step.drafted)
