@@ -30,6 +30,12 @@ from b12x_toolchain.runtime.package.kinds import POOLS
 EXAMPLE_SIZES = {"rows": 2, "slots": 3, **{pool: 3 for pool in POOLS}}
 GROUPS = ("weight", "cache", "staging", "input")
 
+FAKE_TENSOR_CACHE = False
+"""Fake-tensor dispatch caches each op's output and rebuilds it on a hit, symbolic sizes and
+strides included; with the dynamic rows, slots and page dimensions that rebuild costs more
+than running the op's meta function again (a small recipe's export: 12% faster without the
+cache). The graph is the same either way, byte for byte."""
+
 
 def _dims() -> dict:
     pools = {pool: Dim(pool, min=1, max=1 << 30) for pool in POOLS}
@@ -81,7 +87,8 @@ def capture(module: PassModule, weights: dict[str, torch.Tensor], device="cpu",
             shapes[name] = {i: dims[d] for i, d in enumerate(spec.shape) if isinstance(d, str)} or None
         args.append(values)
         dynamic.append(shapes)
-    with torch.no_grad(), no_stack_traces(), copying_layers() as copies:
+    with torch.no_grad(), no_stack_traces(), copying_layers() as copies, \
+            torch._dynamo.config.patch(fake_tensor_cache_enabled=FAKE_TENSOR_CACHE):
         module.copies = copies if copy_layers else None
         try:
             program = torch.export.export(module, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
