@@ -170,7 +170,7 @@ def small_release_path(small_recipe, run_dir):
 # The small recipe with float32 caches (two ranks' logits agree with one device's to 1e-5) at the
 # shipped tokenizer's vocabulary and its distinct normalised keys (chat has a template, text a tokenizer).
 CHAT = {**SMALL, **FP32_CACHES, "model.vocab_size": 2048, "model.engram.compressed_vocab_size": 1432}
-PARALLEL_MAPPINGS = {"tensor2": {"tensor": 2}, "tensor2-expert2": {"tensor": 2, "expert": 2}}
+PARALLEL_MAPPINGS = {"tensor2-expert2": {"tensor": 2, "expert": 2}}
 
 
 @pytest.fixture(scope="session")

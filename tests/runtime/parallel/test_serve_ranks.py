@@ -128,9 +128,10 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_every_process(two_ranks):
     assert "Traceback" not in two_ranks.log
 
 
-def test_tensor_ranks_answer_as_one_device_and_sigterm_drains_every_rank(chat_parallel_path, one_device,
-                                                                         tmp_path):
-    server = RankServer(chat_parallel_path("tensor2"), "--nproc", 2, "--model-name", MODEL,
+def test_sigterm_drains_every_rank_and_writes_each_ranks_l2(chat_parallel_path, one_device, tmp_path):
+    # The same package as two_ranks (a tensor-only mapping serves through the same lockstep;
+    # tests/exporter/model/test_parallel_model.py holds its numbers to one device's).
+    server = RankServer(chat_parallel_path("tensor2-expert2"), "--nproc", 2, "--model-name", MODEL,
                         "--prefix-cache-dir", tmp_path)
     try:
         assert ask(server.client()) == one_device
@@ -166,7 +167,7 @@ def test_two_nodes_on_loopback_answer_as_one_device(chat_parallel_path, one_devi
 
 def test_a_node_that_never_starts_is_named_within_the_join_timeout(chat_parallel_path):
     started = time.monotonic()
-    alone = RankServer(chat_parallel_path("tensor2"), "--nproc", 1, "--nnodes", 2, "--node-rank", 0,
+    alone = RankServer(chat_parallel_path("tensor2-expert2"), "--nproc", 1, "--nnodes", 2, "--node-rank", 0,
                        "--master-addr", "127.0.0.1", "--master-port", free_port(), "--join-timeout", 3, serves=False)
     try:
         assert alone.wait(timeout=60) == 1
