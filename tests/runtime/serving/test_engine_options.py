@@ -11,8 +11,8 @@ from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.runtime import EngineOptions, load, open_engine, open_prefix_cache
 from b12x_toolchain.runtime.serving.engine import Engine
 
-FLAGS = ["--slots", "2", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5", "--pages", "40"]
-SAME = EngineOptions(slots=2, temperature=0.7, top_p=0.9, seed=5, pages=40)
+FLAGS = ["--slots", "2", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5", "--pages", "40", "--always-draft"]
+SAME = EngineOptions(slots=2, temperature=0.7, top_p=0.9, seed=5, pages=40, adaptive=False)
 
 
 class NoListening:
@@ -58,7 +58,7 @@ def test_run_serve_and_the_loader_api_build_the_same_engine(fused_path, built):
     run, serve, loader = front_ends(fused_path, FLAGS, SAME, built)
     assert run == serve == loader
     assert run["slots"] == 2 and run["temperature"] == 0.7 and run["top_p"] == 0.9 and run["seed"] == 5
-    assert set(run["pages"].values()) == {40} and run["speculative"]
+    assert set(run["pages"].values()) == {40} and run["speculative"] and not run["adaptive"]
 
 
 def test_the_defaults_are_one_set_with_the_prefix_cache_on(fused_path, built):
@@ -66,6 +66,7 @@ def test_the_defaults_are_one_set_with_the_prefix_cache_on(fused_path, built):
     assert run == serve == loader
     assert run["prefix_cache"] == {"enabled": True, "l1_bytes": 1 << 30, "l2_dir": None, "l2_bytes": 0}
     assert run["slots"] == load(fused_path).passes["verify"].rows_buckets[-1]
+    assert run["speculative"] and run["adaptive"]  # drafting steps aside while it does not pay
 
 
 def test_options_that_cannot_work_are_refused_by_name():
@@ -78,5 +79,5 @@ def test_options_that_cannot_work_are_refused_by_name():
     result = CliRunner().invoke(main, ["serve", "--help"])
     flags_of = lambda name: {o for p in main.commands[name].params for o in p.opts}  # noqa: E731
     engine_flags = {"--device", "--slots", "--pages", "--cache-bytes", "--greedy", "--temperature", "--top-p",
-                    "--seed", "--prefix-cache-bytes", "--prefix-cache-dir", "--compile", "--threads"}
+                    "--seed", "--prefix-cache-bytes", "--prefix-cache-dir", "--compile", "--threads", "--always-draft"}
     assert result.exit_code == 0 and engine_flags <= flags_of("run") and engine_flags <= flags_of("serve")
