@@ -25,15 +25,17 @@ def package(request):
 
 
 def test_every_pass_gives_a_token_the_decode_passs_bits(package):
-    prompt = random_tokens(torch.Generator().manual_seed(11), 40)
-    greedy = [int(prefill(fresh(package), prompt)[-1].argmax())]
-    session = fresh(package)
-    prefill(session, prompt)
-    for step in range(STEPS):  # the greedy continuation, through the decode pass
-        out = session.replay("decode", token_ids=[[greedy[-1]]], slot_ids=[0], positions=[len(prompt) + step],
-                             new_tokens=[1])
-        greedy.append(int(out["logits"][0, 0].argmax()))
-    found = passes_agree(package, prompt, greedy[:-1])
-    assert all(found["steps_equal"]), f"steps where the passes differ: {found['steps_equal'].count(False)}"
-    assert found["logits"].argmax(-1).tolist() == greedy
+    gen = torch.Generator().manual_seed(11)
+    prompts = [random_tokens(gen, 40), random_tokens(gen, 9)]  # two slots of one session, stepped together
+    session = fresh(package, len(prompts))
+    greedy = [[int(rows[-1].argmax())] for rows in prefill(session, prompts)]
+    for step in range(STEPS):  # the greedy continuations, through the decode pass
+        out = session.replay("decode", token_ids=[[g[-1]] for g in greedy], slot_ids=[0, 1],
+                             positions=[len(p) + step for p in prompts], new_tokens=[1, 1])
+        for row, g in enumerate(greedy):
+            g.append(int(out["logits"][row, 0].argmax()))
+    found = passes_agree(package, prompts, [g[:-1] for g in greedy])
+    differ = sum(step.count(False) for step in found["steps_equal"])
+    assert differ == 0, f"steps where the passes differ: {differ}"
+    assert [rows.argmax(-1).tolist() for rows in found["logits"]] == greedy
     assert found["same_caches"], "a whole, chunked or token-by-token prefill left other cache bytes"
