@@ -50,14 +50,17 @@ def test_package_holds_no_paths_or_host_names(small_structural):
             assert text.encode() not in data, f"{name} contains {text!r}"
 
 
-def test_another_process_and_folder_give_the_same_bytes(small_structural, small_recipe, tmp_path):
+def test_another_process_and_folder_give_the_same_bytes(small_path, small_recipe, tmp_path):
+    """Weights included: the recipe's seeded initialisation, bit for bit."""
     recipe = tmp_path / "small.yaml"
     recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
     elsewhere = tmp_path / "another" / "place"
     elsewhere.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "export", "--recipe", str(recipe), "--weights", "none",
+    subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "export", "--recipe", str(recipe),
                     "--out", "other-name"], cwd=elsewhere, check=True, capture_output=True, timeout=600)
-    assert differences(small_structural, elsewhere / "other-name" / "dsv41-small.b12x") == []
+    again = elsewhere / "other-name" / "dsv41-small.b12x"
+    assert (again / "weights.safetensors").exists()
+    assert differences(small_path, again) == []
 
 
 def test_check_passes_for_an_untouched_package(small_structural, tmp_path):
