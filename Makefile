@@ -13,22 +13,22 @@ STAMP := $(VENV)/.b12x-installed
 .PHONY: setup compile demo test test-fast bench clean
 
 # torch comes from pip (the index it is configured with); the rest from uv, which installs what
-# torch's presence leaves to do in seconds where pip took a minute. Then the whole venv is
-# byte-compiled on every core. Compiled up front, because where PYTHONDONTWRITEBYTECODE is set
-# (as on many CI machines) Python never writes what it compiles: every process would compile
-# torch, sympy, transformers and this project again (`import torch` alone: 4 s instead of 1.7).
-# Not FlashInfer's 3,500 modules (the tests read one of them), and a failure is no error: torch
-# ships a module in Python 3.12 syntax that no 3.11 process imports.
+# torch's presence leaves to do in seconds where pip took a minute. Nothing in the venv is
+# byte-compiled up front (all of it took 30-45 s of the two cores, most of it modules no process
+# imports): the commands below run with PYTHONDONTWRITEBYTECODE emptied (`WRITE_BYTECODE`), so
+# even where it is set (as on many CI machines) the first process to import torch, sympy or
+# transformers writes their bytecode and every later one reads it (`import torch` compiled:
+# 1.7 s instead of 4).
 UV := $(BIN)/uv pip install -q --python $(BIN)/python
 SOURCES := b12x-toolchain exporter passes runtime recipes benchmarks tests
 COMPILE := $(BIN)/python -m compileall -q -j 0
+WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH)" "$(UV_PIN)"
 	$(UV) --no-deps "$(FLASHINFER)"
 	$(UV) -e '.[dev]'
-	$(COMPILE) -qq -x '/flashinfer/' $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))") || true
 	touch $(STAMP)
 
 # This project's own modules, compiled before each run for the same reason (seconds; files
@@ -43,9 +43,9 @@ setup: $(STAMP)
 DEMO_RUN := --prompts examples/demo_prompt.jsonl --max-new-tokens 64 --threads 1
 
 demo: compile
-	$(BIN)/b12x export --recipe dsv41-mini --checkpoint checkpoints/dsv41-mini --out out
-	$(BIN)/b12x run out/dsv41-mini.b12x $(DEMO_RUN)
-	$(BIN)/b12x run out/dsv41-mini.b12x $(DEMO_RUN) --greedy
+	$(WRITE_BYTECODE) $(BIN)/b12x export --recipe dsv41-mini --checkpoint checkpoints/dsv41-mini --out out
+	$(WRITE_BYTECODE) $(BIN)/b12x run out/dsv41-mini.b12x $(DEMO_RUN)
+	$(WRITE_BYTECODE) $(BIN)/b12x run out/dsv41-mini.b12x $(DEMO_RUN) --greedy
 
 # One torch thread per process: the suite's tensors are tiny, and the two cores go to two
 # pytest workers instead (pytest-xdist; a module's tests stay on one worker, so its
@@ -54,10 +54,10 @@ demo: compile
 WORKERS ?= 2
 # PYTHONDONTWRITEBYTECODE emptied for the run: pytest then keeps the test modules it rewrites
 # for its assertions (collection in each worker takes 8 s instead of 16), and a module compiled
-# by one process is read by the next. --no-loadscope-reorder: the workers take modules in the
+# by one process (torch's among them) is read by the next. --no-loadscope-reorder: the workers take modules in the
 # order tests/conftest.py gives them (longest first); xdist would otherwise order them by how
 # many tests each has, leaving a long module of few tests for last (15:06 against 16:34).
-PYTEST := OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
+PYTEST := OMP_NUM_THREADS=1 $(WRITE_BYTECODE) $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The slowest tests are listed after every run, so a test that grows slow shows up in CI's log.
 test: compile
