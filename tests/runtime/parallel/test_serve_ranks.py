@@ -128,41 +128,30 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_every_process(two_ranks):
     assert "Traceback" not in two_ranks.log
 
 
-def test_sigterm_drains_every_rank_and_writes_each_ranks_l2(chat_parallel_path, one_device, tmp_path):
-    # The same package as two_ranks (a tensor-only mapping serves through the same lockstep;
-    # tests/exporter/model/test_parallel_model.py holds its numbers to one device's).
-    server = RankServer(chat_parallel_path("tensor2-expert2"), "--nproc", 2, "--model-name", MODEL,
-                        "--prefix-cache-dir", tmp_path)
-    try:
-        assert ask(server.client()) == one_device
-        processes = server.processes()
-        streams = [server.client().completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=40,
-                                                      temperature=0, stream=True) for i in range(4)]
-        for stream in streams:
-            next(iter(stream))
-        server.signal_rank(0, signal.SIGTERM)  # drains: the running streams finish
-        assert [list(stream)[-1].choices[0].finish_reason for stream in streams] == ["length"] * 4
-        assert server.wait(timeout=60) == 0
-        assert not [pid for pid in processes if alive(pid)]
-    finally:
-        server.stop()
-    files = [sorted(p.name for p in (tmp_path / f"rank-{rank}").glob("*.safetensors")) for rank in (0, 1)]
-    assert files[0] and files[0] == files[1]  # every rank's L2 holds its twin of every snapshot
-
-
-def test_two_nodes_on_loopback_answer_as_one_device(chat_parallel_path, one_device):
+def test_two_nodes_on_loopback_answer_as_one_device_and_sigterm_drains_every_rank(chat_parallel_path, one_device,
+                                                                                  tmp_path):
     path, port = chat_parallel_path("tensor2-expert2"), free_port()
     nodes = [RankServer(path, "--nproc", 1, "--nnodes", 2, "--node-rank", node, "--master-addr", "127.0.0.1",
-                        "--master-port", port, "--model-name", MODEL, serves=False) for node in (0, 1)]
+                        "--master-port", port, "--model-name", MODEL, "--prefix-cache-dir", tmp_path, serves=False)
+             for node in (0, 1)]
     try:
         nodes[0].wait_for(" at http://", 180)
         assert ask(nodes[0].client()) == one_device
-        nodes[0].signal_rank(0, signal.SIGTERM)
+        processes = [pid for node in nodes for pid in node.processes()]
+        streams = [nodes[0].client().completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=40, temperature=0,
+                                                        stream=True) for i in range(4)]
+        for stream in streams:
+            next(iter(stream))
+        nodes[0].signal_rank(0, signal.SIGTERM)  # drains: the running streams finish
+        assert [list(stream)[-1].choices[0].finish_reason for stream in streams] == ["length"] * 4
         assert [node.wait(timeout=60) for node in nodes] == [0, 0]
+        assert not [pid for pid in processes if alive(pid)]
         assert " at http://" not in nodes[1].log  # the second node serves no HTTP
     finally:
         for node in nodes:
             node.stop()
+    files = [sorted(p.name for p in (tmp_path / f"rank-{rank}").glob("*.safetensors")) for rank in (0, 1)]
+    assert files[0] and files[0] == files[1]  # every rank's L2 holds its twin of every snapshot
 
 
 def test_a_node_that_never_starts_is_named_within_the_join_timeout(chat_parallel_path):
