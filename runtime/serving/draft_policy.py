@@ -4,12 +4,13 @@ A verify step (draft, verify, commit) emits each row's accepted drafts plus one 
 costs `ratio` decode steps of the same rows bucket; it pays while the rows' tokens per
 verify step beat that ratio. The policy measures both costs as the engine runs (a moving
 average of seconds per step, per mode and rows bucket) and keeps, per request, a moving
-average of its tokens per verify step (a new request starts from the engine's). A group
-whose rows' mean falls below the ratio decodes through the decode pass instead, then probes
-with one verify step after `first_probe` steps, twice as long after each probe that does
-not pay (at most `last_probe`); a probe that pays puts the engine back to drafting. The
-choice is per group, not per row: a group split in two would replay twice, which costs
-more than either choice.
+average of its tokens per verify step, from PRIOR_TOKENS (each request earns its own
+standing: one request's prompt says little about another's). A group whose rows' mean falls
+below the ratio decodes through the decode pass instead, then probes with one verify step
+after `first_probe` steps, twice as long after each probe that does not pay (at most
+`last_probe`, the engine's interval carrying over to the next group that steps aside); a
+probe that pays puts the group back to drafting. The choice is per group, not per row: a
+group split in two would replay twice, which costs more than either choice.
 
 Greedy rows only: their tokens are the same whichever pass computes them (exact decoding),
 so their choice may follow timings and the other requests. A sampled request's tokens
@@ -25,7 +26,7 @@ LAST_PROBE = 64
 # Until both steps of a bucket are timed, a verify step is taken to cost this many decode steps:
 # above 1, so that a drafter that accepts nothing makes a group step aside, which times the decode step.
 UNMEASURED_RATIO = 1.5
-PRIOR_TOKENS = 2.0  # tokens per verify step credited to the engine before any is measured
+PRIOR_TOKENS = 2.0  # tokens per verify step a request is credited with before its first
 
 
 def _moved(average: float | None, value: float) -> float:
@@ -41,7 +42,6 @@ class DraftPolicy:
         self.bucket_rows, self.first_probe, self.last_probe = bucket_rows, first_probe, last_probe
         self.seconds: dict[tuple[str, int], float] = {}  # (mode, bucket rows) -> seconds per step
         self._warm: set[tuple[str, int]] = set()
-        self.average = PRIOR_TOKENS  # the engine's tokens per verify step: where a new request starts
         self.wait, self.interval = 0, first_probe  # aside: decode steps before the next probe
         self.probes = 0
 
@@ -64,17 +64,16 @@ class DraftPolicy:
 
     def expected(self, group: list) -> float:
         """The group's mean tokens per verify step, each row by its own average."""
-        return sum(self.average if r.speculation is None else r.speculation for r in group) / len(group)
+        return sum(PRIOR_TOKENS if r.speculation is None else r.speculation for r in group) / len(group)
 
     def drafted(self, rows: list, emitted: list[int], seconds: float) -> None:
         """After a verify step: each row's tokens that step, and what the step took."""
         self._timed("verify", len(rows), seconds)
-        probe, prior = self.expected(rows) < self.ratio(len(rows)), self.average
+        probe = self.expected(rows) < self.ratio(len(rows))
         for request, tokens in zip(rows, emitted):
             if request.temperature == 0:
-                self.average = _moved(self.average, tokens)
                 # A probe is judged on its own step: the averages before it made the group step aside.
-                start = prior if request.speculation is None else request.speculation
+                start = PRIOR_TOKENS if request.speculation is None else request.speculation
                 request.speculation = tokens if probe else _moved(start, tokens)
         if self.expected(rows) >= self.ratio(len(rows)):
             self.wait, self.interval = 0, self.first_probe

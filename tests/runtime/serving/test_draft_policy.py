@@ -54,21 +54,24 @@ def test_a_probe_that_pays_puts_the_group_back_to_drafting():
     assert policy.wait == 0 and policy.interval == 2
 
 
-def test_drafts_that_pay_keep_every_step_drafting_and_new_requests_start_from_the_engines_average():
+def test_drafts_that_pay_keep_every_step_drafting_and_a_new_request_earns_its_own_standing():
     policy = DraftPolicy(lambda mode, n: n)
     assert steps_of(policy, rows(4), 30, tokens=4) == "d" * 30
-    newcomer = rows(1)
-    assert policy.expected(newcomer) == pytest.approx(4.0, abs=0.01)
     never_right = DraftPolicy(lambda mode, n: n, first_probe=4)
-    steps_of(never_right, rows(1), 12, tokens=1)
-    assert not never_right.drafts(rows(1))  # learned once by the engine, not again by each request
+    settled = rows(1)
+    steps_of(never_right, settled, 12, tokens=1)  # a verify step costs two decode steps
+    assert not never_right.drafts(settled)
+    newcomer = rows(1)  # starts from the prior, 2 tokens a step: another prompt may suit the drafter
+    assert never_right.drafts(newcomer)
+    never_right.drafted(newcomer, [1], 2.0)
+    assert not never_right.drafts(newcomer) and never_right.wait > 0  # aside with the engine until its next probe
 
 
 def test_a_group_with_a_sampled_row_always_drafts():
-    policy = DraftPolicy(lambda mode, n: n)
-    steps_of(policy, rows(2), 12, tokens=1)
-    assert not policy.drafts(rows(2))
-    assert policy.drafts(rows(1) + rows(1, temperature=0.8))
+    policy, group = DraftPolicy(lambda mode, n: n), rows(2)
+    steps_of(policy, group, 12, tokens=1)
+    assert not policy.drafts(group)
+    assert policy.drafts(group[:1] + rows(1, temperature=0.8))
 
 
 def test_a_buckets_first_step_is_not_timed():
