@@ -4,7 +4,7 @@ cache bytes, prefilled whole, in chunks of 7, or a token at a time (runtime/ops/
 
 The small recipe in its V4.1 cache records (FP8 window rows, FP4 entries and index keys),
 with float32 weights and in the release's FP8/FP4 weight formats, along a greedy sequence
-(benchmarks/exact_decoding.py checks the shipped model on 200 held-out prompts the same way).
+(benchmarks/exact_decoding.py checks the shipped model on 214 held-out prompts the same way).
 """
 
 from __future__ import annotations
