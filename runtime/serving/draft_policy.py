@@ -33,6 +33,11 @@ def _moved(average: float | None, value: float) -> float:
     return value if average is None else average + SMOOTHING * (value - average)
 
 
+def _standing(request) -> float:
+    """A greedy request's tokens per verify step so far (the prior before its first)."""
+    return PRIOR_TOKENS if request.speculation is None else request.speculation
+
+
 class DraftPolicy:
     def __init__(self, bucket_rows, first_probe: int = FIRST_PROBE, last_probe: int = LAST_PROBE):
         """bucket_rows(mode, rows): the rows bucket a group of `rows` replays in ("verify" or "decode")."""
@@ -63,18 +68,18 @@ class DraftPolicy:
         return True
 
     def expected(self, group: list) -> float:
-        """The group's mean tokens per verify step, each row by its own average."""
-        return sum(PRIOR_TOKENS if r.speculation is None else r.speculation for r in group) / len(group)
+        """The group's mean tokens per verify step, each greedy row by its own average."""
+        greedy = [_standing(r) for r in group if r.temperature == 0]
+        return sum(greedy) / len(greedy) if greedy else PRIOR_TOKENS
 
     def drafted(self, rows: list, emitted: list[int], seconds: float) -> None:
         """After a verify step: each row's tokens that step, and what the step took."""
+        probe = self.expected(rows) < self.ratio(len(rows))  # as drafts() judged it, before this step's timing
         self._timed("verify", len(rows), seconds)
-        probe = self.expected(rows) < self.ratio(len(rows))
         for request, tokens in zip(rows, emitted):
             if request.temperature == 0:
                 # A probe is judged on its own step: the averages before it made the group step aside.
-                start = PRIOR_TOKENS if request.speculation is None else request.speculation
-                request.speculation = tokens if probe else _moved(start, tokens)
+                request.speculation = tokens if probe else _moved(_standing(request), tokens)
         if self.expected(rows) >= self.ratio(len(rows)):
             self.wait, self.interval = 0, self.first_probe
         elif probe or self.wait == 0:  # step aside; after a probe that did not pay, twice as long
