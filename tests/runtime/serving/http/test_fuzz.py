@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 
 from http_serving import start_server
 
-pytestmark = [pytest.mark.slow(minutes=1.0), pytest.mark.usefixtures("one_torch_thread")]
+# Marked shorter than it is: test_openai_surface (1 minute) exports the shipped package both need;
+# started later, this module finds it made instead of waiting on the export with a core idle.
+pytestmark = [pytest.mark.slow(minutes=0.55), pytest.mark.usefixtures("one_torch_thread")]
 
 class Raw(str):
     """JSON text, sent as it is."""
