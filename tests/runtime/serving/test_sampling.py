@@ -89,7 +89,7 @@ def test_engine_samples_the_target_distribution_end_to_end(vocab16):
     # With SEED; each request's seed follows from it and the request's index. Enough to catch
     # a q or p row paired with the wrong draft position by a wide margin, not small biases
     # (the test above, on 20000 samples, is the one for those).
-    requests = 1000
+    requests = 500
     engine = Engine(vocab16.session(slots=8), temperature=1.0, seed=SEED)
     states = engine.generate([Request(PROMPT, 2) for _ in range(requests)])
     assert engine.stats.drafted == 7 * requests  # every second token came from a speculative step
