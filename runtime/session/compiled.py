@@ -21,7 +21,9 @@ another package or torch never sees it.
 The result is not bitwise the uncompiled replay: fused reductions sum in another order,
 so logits agree to float32 rounding (tests hold them within 1e-5 of the uncompiled
 replay) and a cache value that rounds differently can land on a neighbouring code.
-Passes that only move bytes (commit) are bitwise.
+Passes that only move bytes (commit) are bitwise. Among compiled passes a token's numbers
+do not depend on the pass (decode = verify's first row, to the bit): attention stays the op
+(reference_ops.py says why), and the rest is row-wise work over axes of fixed length.
 """
 
 from __future__ import annotations

@@ -29,11 +29,6 @@ WRITES = (ops.write_rows.default, ops.write_slots.default)
 REFERENCES = {rule.op: rule.to for rule in INLINE_REFERENCES.rules}
 
 
-def static_attention(node) -> bool:
-    args = named_args(node)
-    return args["entry_cache"] is None or args["indices"] is not None
-
-
 def _targets(graph) -> collections.Counter:
     return collections.Counter(n.target for n in graph.graph.nodes if n.op == "call_function")
 
@@ -113,14 +108,14 @@ def test_the_lowered_graph_differs_only_where_it_should(small_path, pass_name):
     pure = sum(n.target in (ops.round_trip.default, ops.gather_rows.default, ops.window_read.default,
                             ops.read_rows.default, ops.hc_sinkhorn.default) for n in nodes)
     encoding = [n for n in nodes if n.target in WRITES and named_args(n)["fmt"] != RAW_BYTES]
-    assert (references.matches, splits.matches) == (pure + sum(map(static_attention, attention)), len(encoding))
+    assert (references.matches, splits.matches) == (pure, len(encoding))
     assert references.matches > 0 and (pass_name == "verify" or splits.matches > 0)
     assert splits.nodes_after - references.nodes_before == len(encoding)  # one encoding node per split write
 
     was, now = _targets(before), _targets(after)
     for op, reference in REFERENCES.items():
         assert now[op] == was[op] - (now[reference] - was[reference]), op  # each replaced node became its reference
-    assert now[ops.sparse_attention.default] == len(attention) - sum(map(static_attention, attention))
+    assert now[ops.sparse_attention.default] == len(attention) > 0  # kept: its order over keys is fixed (reference_ops.py)
     assert now[encode_rows] == len(encoding)
     for node in after.graph.nodes:
         if node.target in WRITES:  # every write now copies encoded records, fed by the encoding
