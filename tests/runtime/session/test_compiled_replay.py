@@ -1,5 +1,5 @@
 """Compiled replay (Inductor) gives the uncompiled replay's results: logits to fp32 rounding, commit to
-the byte; and among compiled passes, decode gives verify's first row to the bit."""
+the byte; and among compiled passes, decode gives verify's first row and its committed caches to the bit."""
 
 from __future__ import annotations
 
@@ -59,6 +59,13 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
     decoded = compiled.replay("decode", token_ids=[block[:1]], slot_ids=[0], positions=[len(prompt)],
                               new_tokens=[1])["logits"]
     assert torch.equal(decoded.flatten(), got[0, 0].flatten())
+    # ... and its caches: decode's own writes = verify's staged rows committed for that one token.
+    decoded_caches = {name: values.clone() for name, values in compiled.caches.items()}
+    _copy_state(plain, compiled)
+    compiled.replay("verify", **step)
+    compiled.replay("commit", slot_ids=[0], positions=[len(prompt)], accepted_tokens=[1])
+    for name, values in compiled.caches.items():
+        assert torch.equal(values, decoded_caches[name]), name
 
     # ... and commit, which only moves bytes, writes exactly the same caches.
     _copy_state(plain, compiled)
