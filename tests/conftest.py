@@ -25,7 +25,7 @@ from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
-from decode_steps import FP32_CACHES
+from decode_steps import FP32_CACHES, SMALL_V4
 
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
 # shared one, or one its module exports itself) or a child process (torch's import alone
@@ -209,20 +209,10 @@ def chat_parallel_path(chat_recipe, shipped_tokenizer, run_dir):
     return path
 
 
-# dsv4-tiny cut to two target layers (one CSA, one HCA) plus the MTP stage, fp32 weights and
-# caches: V4's layer kinds in about half the export time of the full recipe, with logits that
-# match transformers to float rounding. 64-token chunks: an 80-token prompt takes two.
-SMALL_V4 = {
-    "model.num_layers": 2,
-    "model.compress_ratios": [4, 16, 0],
-    "passes.prefill.chunk": 64,
-    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0, "decode": 0},
-}
-
-
 @pytest.fixture(scope="session")
 def dsv4_small_path(run_dir):
-    """SMALL_V4 as the v4_reference benchmark exports it (its weights' seed, fp32 caches)."""
+    """SMALL_V4 with fp32 weights and caches as the v4_reference benchmark exports it (its
+    weights' seed): logits that match transformers to float rounding."""
     from b12x_toolchain.exporter.model.weights import init_weights
     from b12x_toolchain.exporter.recipe.dims import Dims
     from benchmarks import v4_reference

@@ -12,6 +12,15 @@ COMMIT_WIDTHS = (1, 7, 8)
 FP32_CACHES = {"cache.window_format": "fp32", "cache.compressed_format": "fp32", "cache.index_format": "fp32"}
 # A recipe change that drops the `weights` section: every weight fp32, the digest of the recipe without it.
 FP32_WEIGHTS = {"weights": None}
+# dsv4-tiny cut to two target layers (CSA with hash routing, then HCA) plus the MTP stage
+# (window-only): every V4 layer kind, weight kind and release format in about half the
+# export time of the four-layer recipe. 64-token chunks: an 80-token prompt takes two.
+SMALL_V4 = {
+    "model.num_layers": 2,
+    "model.compress_ratios": [4, 16, 0],
+    "passes.prefill.chunk": 64,
+    "rewrites.0.expect_matches": {"prefill": 0, "verify": 2, "draft": 0, "commit": 0, "decode": 0},
+}
 
 
 def exported(recipe, weights, tmp_path_factory, changes=None, name=None):

@@ -23,7 +23,7 @@ from b12x_toolchain.exporter.model.weights import init_weights
 from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.exporter.recipe.variants import recipe_variant
-from decode_steps import FP32_WEIGHTS
+from decode_steps import FP32_WEIGHTS, SMALL_V4
 
 INDEX = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"
@@ -51,19 +51,34 @@ TINY = dict(
 )
 
 
+# decode_steps.SMALL_V4's two target layers in transformers' terms
+SMALL = dict(num_hidden_layers=2, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+             mlp_layer_types=["hash_moe", "moe"])
+
+
 def tiny_v4_config(**changes) -> transformers.DeepseekV4Config:
     return transformers.DeepseekV4Config(**{**TINY, **changes})
 
 
-def fp32_tiny_recipe():
-    """dsv4-tiny with every weight fp32 (the bundled recipe stores V4 Instruct's formats): the
-    model transformers holds, and what `recipe from-hf` writes, which has no `weights` section."""
-    return recipe_variant(load_recipe("dsv4-tiny"), FP32_WEIGHTS)
+def small_v4_config(**changes) -> transformers.DeepseekV4Config:
+    return tiny_v4_config(**SMALL, **changes)
 
 
-def tiny_weights(seed: int) -> dict[str, torch.Tensor]:
-    """Every weight of dsv4-tiny in fp32, target and MTP, by state-dict name."""
-    return init_weights(Dims.from_recipe(fp32_tiny_recipe()), seed)
+def small_v4_recipe(changes: dict | None = None, name: str = "dsv4-small"):
+    """dsv4-tiny cut to SMALL_V4, with `changes` on top."""
+    return recipe_variant(load_recipe("dsv4-tiny"), {**SMALL_V4, **(changes or {})}, name=name)
+
+
+def fp32_tiny_recipe(small: bool = False):
+    """dsv4-tiny (or its SMALL_V4 cut) with every weight fp32 (the bundled recipe stores V4
+    Instruct's formats): the model transformers holds, and what `recipe from-hf` writes, which
+    has no `weights` section."""
+    return small_v4_recipe(FP32_WEIGHTS) if small else recipe_variant(load_recipe("dsv4-tiny"), FP32_WEIGHTS)
+
+
+def tiny_weights(seed: int, small: bool = False) -> dict[str, torch.Tensor]:
+    """Every weight of dsv4-tiny (or its SMALL_V4 cut) in fp32, target and MTP, by state-dict name."""
+    return init_weights(Dims.from_recipe(fp32_tiny_recipe(small)), seed)
 
 
 @dataclass

@@ -17,10 +17,10 @@ from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.exporter.recipe.weights import WeightsSpec
 from b12x_toolchain.runtime import load
-from hf_reference import tiny_v4_config, tiny_weights
+from hf_reference import small_v4_config, small_v4_recipe, tiny_v4_config, tiny_weights
 from release_checkpoint import release_config, write_release_checkpoint
 
-pytestmark = pytest.mark.slow(minutes=0.5)  # one export of dsv4-tiny in the release's formats
+pytestmark = pytest.mark.slow(minutes=0.5)  # one export of dsv4-tiny (two layers) in the release's formats
 
 BF16_ROLES = {"head": "bf16", "embeddings": "bf16", "compressor": "bf16", "router": "bf16", "norms": "bf16"}
 
@@ -108,9 +108,9 @@ def run(*args):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A V4 release-layout checkpoint of dsv4-tiny's model."""
-    root = tmp_path_factory.mktemp("release") / "tiny-v4-release"
-    write_release_checkpoint(root, tiny_v4_config(), tiny_weights(seed=5), block=(128, 128))
+    """A V4 release-layout checkpoint of dsv4-tiny's model cut to two layers (SMALL_V4)."""
+    root = tmp_path_factory.mktemp("release") / "small-v4-release"
+    write_release_checkpoint(root, small_v4_config(), tiny_weights(seed=5, small=True), block=(128, 128))
     return root
 
 
@@ -127,16 +127,16 @@ def test_cli_refusals_are_one_line_and_write_nothing(checkpoint, tmp_path, case)
     assert not out.exists()
 
 
-def test_from_hf_then_export_checkpoint_round_trips(checkpoint, tiny, tmp_path):
+def test_from_hf_then_export_checkpoint_round_trips(checkpoint, tmp_path):
     recipe_file = tmp_path / "release.yaml"
-    result = run("recipe", "from-hf", checkpoint, "--name", "dsv4-tiny-release", "--out", recipe_file)
+    result = run("recipe", "from-hf", checkpoint, "--name", "dsv4-small-release", "--out", recipe_file)
     assert result.exit_code == 0, result.output
     written = load_recipe(recipe_file)
-    assert written.model == tiny.model and written.weights == WeightsSpec.model_validate(V4_WEIGHTS)
+    assert written.model == small_v4_recipe().model and written.weights == WeightsSpec.model_validate(V4_WEIGHTS)
     out = tmp_path / "pkg"
     result = run("export", "--recipe", recipe_file, "--checkpoint", checkpoint, "--out", out)
     assert result.exit_code == 0, result.output
-    package = load(out / "dsv4-tiny-release.b12x")
+    package = load(out / "dsv4-small-release.b12x")
     # Stored as the checkpoint stores them: FP8 data with UE8M0 scales, packed FP4 experts, BF16.
     assert package.weights["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
     assert package.weights["model.layers.0.self_attn.q_a_proj.weight_scale"].dtype == torch.float8_e8m0fnu

@@ -2,7 +2,7 @@
 expert dtype inside `quantization_config`), imported as stored and decoded.
 
 transformers has no V4.1 model and no V4.1 names exist outside DeepSeek's release, so the
-checkpoint is the V4 architecture in V4.1's formats: what changes between the two releases'
+checkpoint is the V4 architecture (two layers: CSA, HCA) in V4.1's formats: what changes between the two releases'
 weights is the block grid and where the config declares the expert dtype, and both are
 read here. transformers loads it as well, so the prefill logits are checked against it.
 """
@@ -15,12 +15,10 @@ import transformers
 
 from b12x_toolchain.exporter.hf.checkpoint import load_hf_checkpoint
 from b12x_toolchain.exporter.recipe.dims import Dims
-from b12x_toolchain.exporter.recipe.loader import load_recipe
-from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from conftest import random_tokens
 from decode_steps import FP32_CACHES, exported, prefill
 from exporter.model.test_quantized_weights import TOLERANCE, assert_speculation_equals_greedy, release_scheme
-from hf_reference import reference_logits, tiny_v4_config, tiny_weights
+from hf_reference import reference_logits, small_v4_config, small_v4_recipe, tiny_weights
 from release_checkpoint import write_release_checkpoint
 
 pytestmark = pytest.mark.slow(minutes=0.7)
@@ -29,14 +27,14 @@ pytestmark = pytest.mark.slow(minutes=0.7)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("v41-blocks") / "ckpt"
-    write_release_checkpoint(root, tiny_v4_config(), tiny_weights(seed=5), block=(32, 32), expert_dtype_inside=True)
+    write_release_checkpoint(root, small_v4_config(), tiny_weights(seed=5, small=True), block=(32, 32),
+                             expert_dtype_inside=True)
     return root
 
 
 @pytest.fixture(scope="module")
 def package(checkpoint, tmp_path_factory):
-    recipe = recipe_variant(load_recipe("dsv4-tiny"), {**FP32_CACHES, "weights": release_scheme(32, "none")},
-                            name="dsv4-tiny-v41-blocks")
+    recipe = small_v4_recipe({**FP32_CACHES, "weights": release_scheme(32, "none")}, name="dsv4-small-v41-blocks")
     weights = load_hf_checkpoint(checkpoint, Dims.from_recipe(recipe))
     return exported(recipe, weights, tmp_path_factory)
 
