@@ -92,13 +92,40 @@ V41_RELEASE = {"routed_experts": "fp4_e2m1", "embeddings": "bf16", "head": "bf16
 QUANTIZED = {"v41-release-formats-tensor2-expert2": ("dsv41-tiny", {"tensor": 2, "expert": 2}, V41_RELEASE)}
 
 
-@pytest.mark.parametrize("name, mapping, weights", [(*case, None) for case in CASES.values()] + list(QUANTIZED.values()),
-                         ids=[*CASES, *QUANTIZED])
-def test_world_size_2_equals_world_size_1(name, mapping, weights, tokens, one_device):
+ALL = {**{case: (*spec, None) for case, spec in CASES.items()}, **QUANTIZED}
+
+
+def _recipes(name, mapping, weights):
+    """(the one-device recipe, the same over two ranks with `mapping`)."""
     reference = base(load_recipe(name), weights)
-    recipe = recipe_variant(reference, {"parallel": mapping}, name="parallel")
-    expected = one_device(name if weights is None else f"{name} quantized", reference)
-    for rank, logits in enumerate(on_ranks(_rank_forward, 2, recipe, tokens)):
+    return reference, recipe_variant(reference, {"parallel": mapping}, name="parallel")
+
+
+def _rank_cases(rank, cases, tokens):
+    """Every case on this rank, in one process per rank (a spawned process costs seconds of
+    imports): case -> logits, or the error it raised, so that each case fails alone."""
+    out = {}
+    for case, recipe in cases.items():
+        try:
+            out[case] = _rank_forward(rank, recipe, tokens)
+        except Exception as error:  # noqa: BLE001 - reported by that case's test
+            out[case] = f"{type(error).__name__}: {error}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tokens):
+    """Per rank: case -> (prefill logits, draft logits) at world size 2."""
+    return on_ranks(_rank_cases, 2, {case: _recipes(*spec)[1] for case, spec in ALL.items()}, tokens)
+
+
+@pytest.mark.parametrize("case", list(ALL))
+def test_world_size_2_equals_world_size_1(case, two_ranks, one_device):
+    name, mapping, weights = ALL[case]
+    expected = one_device(name if weights is None else f"{name} quantized", _recipes(name, mapping, weights)[0])
+    for rank, per_case in enumerate(two_ranks):
+        logits = per_case[case]
+        assert not isinstance(logits, str), f"rank {rank}: {logits}"
         for what, ours, ref in zip(("prefill", "draft"), logits, expected):
             err = (ours - ref).abs().max().item()
             print(f"{name} {mapping} rank {rank} {what}: max |Δlogit| {err:.3g}")
