@@ -138,6 +138,19 @@ def small_recipe(tiny_recipe):
     return recipe_variant(tiny_recipe, SMALL, name="dsv41-small")
 
 
+# SMALL's ratio-2 layer alone (window, compressed rows, indexer, Engram, the fused snapshot): a
+# package of every op kind where two layers would only double the work (Inductor's, a fresh venv's).
+ONE_LAYER = {"model.num_layers": 1, "model.compress_ratios": [2, 0],
+             "model.csa2": {"kv_source_layer_ids": [0], "index_source_layer_ids": [0], "candidate_source_layer_id": None},
+             "model.draft.target_layer_ids": [0], "model.engram.layer_ids": [0],
+             "rewrites.0.expect_matches": {"prefill": 0, "verify": 1, "draft": 1, "commit": 0, "decode": 0}}
+
+
+@pytest.fixture(scope="session")
+def one_layer_recipe(small_recipe):
+    return recipe_variant(small_recipe, ONE_LAYER, name="dsv41-one-layer")
+
+
 @pytest.fixture(scope="session")
 def shipped_path(run_dir):
     """The shipped trained model (checkpoints/dsv41-mini) exported as `make demo` exports it."""

@@ -17,17 +17,11 @@ pytestmark = pytest.mark.slow(minutes=1.0)
 # commit writes the caches from the staging; test_inductor_writes holds a compiled read-then-write of a
 # window ring to writing in place.
 COMPILED = ("verify", "decode", "commit")
-# The small recipe's ratio-2 layer alone (window, compressed rows, indexer, Engram, the fused snapshot):
-# every op the compiled replay treats in its own way, in half the graph Inductor compiles for two layers.
-ONE_LAYER = {"model.num_layers": 1, "model.compress_ratios": [2, 0],
-             "model.csa2": {"kv_source_layer_ids": [0], "index_source_layer_ids": [0], "candidate_source_layer_id": None},
-             "model.draft.target_layer_ids": [0], "model.engram.layer_ids": [0],
-             "rewrites.0.expect_matches": {"prefill": 0, "verify": 1, "draft": 1, "commit": 0, "decode": 0}}
 
 
 @pytest.fixture(scope="module")
-def sessions(small_recipe, tmp_path_factory):
-    package = exported(small_recipe, None, tmp_path_factory, ONE_LAYER, name="dsv41-one-layer")
+def sessions(one_layer_recipe, tmp_path_factory):
+    package = exported(one_layer_recipe, None, tmp_path_factory)  # half the graph Inductor compiles for SMALL
     cache = tmp_path_factory.mktemp("compile-cache")
     plain = package.session(slots=1, max_rows=1)
     compiled = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache)
