@@ -54,9 +54,9 @@ def test_recipe_refuses_impossible_match_counts(small_recipe):
         recipe_variant(small_recipe, {"rewrites.0.expect_matches": counts})
 
 
-def test_unfused_export_accepts_what_the_fused_op_does_not(small_recipe, tmp_path):
+def test_unfused_export_accepts_what_the_fused_op_does_not(one_layer_recipe, tmp_path):
     # The unfused ops handle any history and layout; only the fused op is restricted.
-    recipe = recipe_variant(small_recipe, {"cache.staging.layout": "HND", "cache.staging.page_size": 8, "rewrites": []})
+    recipe = recipe_variant(one_layer_recipe, {"cache.staging.layout": "HND", "cache.staging.page_size": 8, "rewrites": []})
     path = export_package(recipe, tmp_path, fuse=False).path
     session = load(path).session(slots=1)
     rows = max(recipe.passes.verify.rows_buckets)  # staging is sized for the largest bucket
@@ -70,12 +70,12 @@ def test_wrong_match_count_fails_export_and_leaves_nothing(small_recipe, tmp_pat
     assert _no_leftovers(tmp_path) == []
 
 
-def test_session_refuses_a_fused_graph_for_an_unqualified_history(small_recipe, tmp_path):
+def test_session_refuses_a_fused_graph_for_an_unqualified_history(one_layer_recipe, tmp_path):
     """A package fused by another tool for history 64 is refused when buffers are bound."""
-    recipe = recipe_variant(small_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
+    recipe = recipe_variant(one_layer_recipe, {"model.window": 64, "cache.history": 64, "rewrites": []})
     package = load(export_package(recipe, tmp_path, fuse=False).path)
     unchecked = dataclasses.replace(FUSE_WINDOW_SNAPSHOT, check=None)
-    assert unchecked(package.passes["verify"].program.graph_module).matches == 2
+    assert unchecked(package.passes["verify"].program.graph_module).matches == 1
     with pytest.raises(UnsupportedConfiguration, match=r"pass verify: .*history length 64 .*\[128\]"):
         package.session(slots=1)
 
