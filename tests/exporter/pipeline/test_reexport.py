@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow(minutes=0.5)
 
 
 @pytest.fixture(scope="module")
-def small_structural(small_recipe, tmp_path_factory):
-    return export_package(small_recipe, tmp_path_factory.mktemp("small"), structural=True).path
+def structural(one_layer_recipe, tmp_path_factory):
+    return export_package(one_layer_recipe, tmp_path_factory.mktemp("one-layer"), structural=True).path
 
 
 def _texts(root: Path):
@@ -43,9 +43,9 @@ def _texts(root: Path):
                     yield f"{path.name}:{entry}", archive.read(entry)
 
 
-def test_package_holds_no_paths_or_host_names(small_structural):
-    forbidden = {str(ROOT), str(Path.home()), tempfile.gettempdir(), str(small_structural.parent), socket.gethostname()}
-    for name, data in _texts(small_structural):
+def test_package_holds_no_paths_or_host_names(structural):
+    forbidden = {str(ROOT), str(Path.home()), tempfile.gettempdir(), str(structural.parent), socket.gethostname()}
+    for name, data in _texts(structural):
         for text in forbidden - {"", "/"}:
             assert text.encode() not in data, f"{name} contains {text!r}"
 
@@ -63,29 +63,29 @@ def test_another_process_and_folder_give_the_same_bytes(small_path, small_recipe
     assert differences(small_path, again) == []
 
 
-def test_check_passes_for_an_untouched_package(small_structural, tmp_path):
-    copy = shutil.copytree(small_structural, tmp_path / "renamed.b12x")
+def test_check_passes_for_an_untouched_package(structural, tmp_path):
+    copy = shutil.copytree(structural, tmp_path / "renamed.b12x")
     result = CliRunner().invoke(main, ["export", "--check", str(copy)], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "re-export is byte-identical" in result.output
     assert "capturing verify" in result.output and "captured verify in" in result.output  # progress per pass
 
 
-def test_differences_name_exactly_the_changed_file(small_structural, tmp_path):
-    copy = shutil.copytree(small_structural, tmp_path / "copy.b12x")
+def test_differences_name_exactly_the_changed_file(structural, tmp_path):
+    copy = shutil.copytree(structural, tmp_path / "copy.b12x")
     data = bytearray((copy / "graphs" / "draft.pt2").read_bytes())
     data[100] ^= 1
     (copy / "graphs" / "draft.pt2").write_bytes(bytes(data))
-    assert differences(copy, small_structural) == ["graphs/draft.pt2"]
+    assert differences(copy, structural) == ["graphs/draft.pt2"]
     (copy / "extra.txt").write_text("x")
-    assert differences(copy, small_structural) == ["extra.txt", "graphs/draft.pt2"]
+    assert differences(copy, structural) == ["extra.txt", "graphs/draft.pt2"]
 
 
-def test_check_of_a_manifest_names_what_a_recipe_change_moves(small_structural, small_recipe, tmp_path):
+def test_check_of_a_manifest_names_what_a_recipe_change_moves(structural, one_layer_recipe, tmp_path):
     """CI keeps only the manifest; changing one recipe value must change the bytes, and say where."""
-    committed = tmp_path / "dsv41-small.manifest.json"
-    shutil.copy(small_structural / "manifest.json", committed)
-    changed = recipe_variant(small_recipe, {"model.rope_theta": 20000.0})
+    committed = tmp_path / f"{one_layer_recipe.name}.manifest.json"
+    shutil.copy(structural / "manifest.json", committed)
+    changed = recipe_variant(one_layer_recipe, {"model.rope_theta": 20000.0})
     recipe = tmp_path / "changed.yaml"
     recipe.write_text(yaml.safe_dump(changed.normalized()))
     result = CliRunner().invoke(main, ["export", "--check", str(committed), "--recipe", str(recipe)])
@@ -97,8 +97,8 @@ def test_check_of_a_manifest_names_what_a_recipe_change_moves(small_structural, 
     assert "is not byte-identical: 5 file(s) differ" in result.output
 
 
-def test_check_refuses_settings_that_contradict_the_package(small_structural):
-    result = CliRunner().invoke(main, ["export", "--check", str(small_structural), "--no-fuse"])
+def test_check_refuses_settings_that_contradict_the_package(structural):
+    result = CliRunner().invoke(main, ["export", "--check", str(structural), "--no-fuse"])
     assert result.exit_code == 1 and "--check re-exports with the settings PKG records" in result.output
 
 
