@@ -122,22 +122,22 @@ def repeated():
 
     data = yaml.safe_load((files("b12x_toolchain.recipes") / "dsv41-tiny.yaml").read_bytes())
     model = copy.deepcopy(data["model"])
-    model.update(num_layers=11, compress_ratios=[0, 0, 0, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0])
-    model["csa2"].update(kv_source_layer_ids=[3, 6], index_source_layer_ids=[3, 6, 8], candidate_source_layer_id=6)
-    model["draft"]["target_layer_ids"] = [7, 8, 10]
+    model.update(num_layers=9, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 1, 0, 0])
+    model["csa2"].update(kv_source_layer_ids=[2, 5], index_source_layer_ids=[2, 5, 7], candidate_source_layer_id=5)
+    model["draft"]["target_layer_ids"] = [6, 7, 8]
     data.update(name="dsv41-repeated", model=model)
     return Dims.from_recipe(recipe_from_dict(data))
 
 
-@pytest.mark.parametrize("name, copies", [("prefill", 14), ("verify", 14), ("draft", 2)])
+@pytest.mark.parametrize("name, copies", [("prefill", 10), ("verify", 10), ("draft", 2)])
 def test_copied_layers_give_the_graph_of_a_direct_capture(repeated, name, copies, monkeypatch):
     made = []
     monkeypatch.setattr(capture_module, "stitch", lambda program, graph: made.append(stitch(program, graph).matches))
     copied = capture(PASSES[name](repeated), fake_weights(repeated))
     direct = capture(PASSES[name](repeated), fake_weights(repeated), copy_layers=False)
-    # Attention halves: layers 1 and 2 repeat 0 (window), 5 repeats 4, 9 and 10 repeat 7 (Reuse,
-    # whichever layer they take the top-k from); MoE halves: layers 2-10 repeat 1 (routed; 0 is
-    # hashed). The draft pass: stage 1 repeats both halves of stage 0.
+    # Attention halves: layer 1 repeats 0 (window), 4 repeats 3 (ratio-2 Reuse), 8 repeats 6
+    # (ratio-1 Reuse, whichever layer it takes the top-k from); MoE halves: layers 2-8 repeat 1
+    # (routed; 0 is hashed). The draft pass: stage 1 repeats both halves of stage 0.
     assert made == [copies, 0]
     assert canonical(copied.graph_module) == canonical(direct.graph_module)
     assert program_bytes(copied) == program_bytes(direct)  # names and signature too
