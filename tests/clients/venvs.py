@@ -49,7 +49,8 @@ STAMP = ".client-installed.json"
 
 
 def _stamp(name: str) -> dict:
-    return {"requirements": list(CLIENTS[name]), "linked": list(LINKED.get(name, ()))}
+    # The interpreter too: a venv made from another one (the Makefile picks the faster) is made again.
+    return {"requirements": list(CLIENTS[name]), "linked": list(LINKED.get(name, ())), "python": sys.version}
 
 
 def _ready(folder: Path, stamp: dict) -> bool:
@@ -101,7 +102,8 @@ def client_venv(name: str) -> Path:
         deadline = time.monotonic() + INSTALL_TIMEOUT_S
         shutil.rmtree(folder, ignore_errors=True)  # a stale or half-made one
         uv = find_uv_bin()
-        _run([uv, "venv", "-q", "--python", "python3", folder], deadline, f"making the {name} venv")
+        # The project venv's own interpreter (uv takes its base): the linked packages were built for it.
+        _run([uv, "venv", "-q", "--python", sys.executable, folder], deadline, f"making the {name} venv")
         for package in LINKED.get(name, ()):
             _link(package, folder)
         # Compiled now: where PYTHONDONTWRITEBYTECODE is set, each client run would compile it all again.
