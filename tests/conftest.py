@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It has to
     # be chosen before any kernel module is imported (decoration reads it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines open without compiling unless a test asks: a compilation of every pass graph takes
+# minutes of CPU per engine. test_background_compile tests the default itself.
+os.environ.setdefault("B12X_COMPILE", "0")
 
 import paths  # noqa: F401  (before any test module: puts the repository root, and so `benchmarks`, on the path)
 from b12x_toolchain.exporter.pipeline import trace_cache
@@ -149,6 +152,11 @@ ONE_LAYER = {"model.num_layers": 1, "model.compress_ratios": [2, 0],
 @pytest.fixture(scope="session")
 def one_layer_recipe(small_recipe):
     return recipe_variant(small_recipe, ONE_LAYER, name="dsv41-one-layer")
+
+
+@pytest.fixture(scope="session")
+def one_layer_path(one_layer_recipe, run_dir):
+    return once_per_run(run_dir, "one-layer", lambda out: export_package(one_layer_recipe, out).path)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,12 @@ from types import SimpleNamespace
 
 import click
 
-from b12x_toolchain.runtime.serving.options import DEFAULT_PREFIX_CACHE_BYTES, EngineOptions, check_options
+from b12x_toolchain.runtime.serving.options import (
+    DEFAULT_PREFIX_CACHE_BYTES,
+    EngineOptions,
+    check_options,
+    compile_default,
+)
 
 FLAG_NAMES = {"pages": "--pages", "cache_bytes": "--cache-bytes", "greedy": "--greedy",
               "temperature": "--temperature", "prefix_cache_bytes": "--prefix-cache-bytes"}
@@ -42,10 +47,12 @@ ENGINE_FLAGS = (
                       "snapshot instead of prefilled. 0 turns the prefix cache off."),
     click.option("--prefix-cache-dir", type=click.Path(file_okay=False),
                  help="Also keep prompt snapshots in this directory (L2, survives restarts)."),
-    click.option("--compile", "compiled", is_flag=True,
-                 help="Replay the passes through TorchInductor, compiled on this machine the first time each runs "
-                      "(half a minute to minutes per pass graph; cached locally, keyed by package, device and "
-                      "torch)."),
+    click.option("--compile/--no-compile", "compiled", default=None,
+                 help="Replay through TorchInductor: requests are answered at once on the plain graphs while "
+                      "every pass graph compiles in the background (minutes on a CPU), then all switch between "
+                      "requests; cached on this machine (keyed by package, device, torch and shapes), so a "
+                      "restart or `b12x compile` beforehand makes it compiled from the first request "
+                      "[default: on; B12X_COMPILE=0 makes it off]."),
     click.option("--threads", type=click.IntRange(min=1),
                  help="torch intra-op threads [default: torch's choice]; 1 is often fastest on a busy machine."),
 )
@@ -66,7 +73,7 @@ def engine_options(flags: dict) -> EngineOptions:
                    adaptive=not flags["always_draft"],
                    temperature=flags["temperature"], top_p=flags["top_p"], seed=flags["seed"],
                    prefix_cache_bytes=flags["prefix_cache_bytes"], prefix_cache_dir=flags["prefix_cache_dir"],
-                   compile=flags["compiled"])
+                   compile=compile_default() if flags["compiled"] is None else flags["compiled"])
     problems = check_options(SimpleNamespace(**options), FLAG_NAMES)  # said as flags, before EngineOptions says it
     if problems:
         raise click.UsageError("; ".join(problems))

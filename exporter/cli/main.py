@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from b12x_toolchain.exporter.cli.cmd_abi import abi
+from b12x_toolchain.exporter.cli.cmd_compile import compile_package
 from b12x_toolchain.exporter.cli.cmd_export import export
 from b12x_toolchain.exporter.cli.cmd_inspect import inspect
 from b12x_toolchain.exporter.cli.cmd_recipe import recipe
@@ -20,7 +21,7 @@ def main():
     """Export speculative-decoding passes as versioned packages and replay them."""
 
 
-for command in (export, inspect, run, serve, abi, verify, recipe, train):
+for command in (export, inspect, compile_package, run, serve, abi, verify, recipe, train):
     main.add_command(command)
 
 

@@ -95,6 +95,7 @@ class Engine:
         """What this engine was built with, as plain data (the same options give the same data)."""
         cache = self.prefix_cache
         return {"device": str(self.session.device), "slots": len(self.slots), "passes": list(self.passes),
+                "compiled_passes": [p for p in self.passes if p in getattr(self.session, "compiled_passes", ())],
                 "speculative": self.speculative, "adaptive": self.executor.policy is not None,
                 "temperature": self.sampling.temperature,
                 "top_p": self.sampling.top_p, "seed": self.sampling.seed,
@@ -150,6 +151,7 @@ class Engine:
         """Admit into free slots, decode every active request once, retire, refill freed slots."""
         stats = StepStats(step=self._step_calls)
         self._step_calls += 1
+        self.swap_in_compiled()
         self._admit(stats)
         self.scheduler.check_progress(stats)
         if self.active:
@@ -161,6 +163,12 @@ class Engine:
         self.stats.record(stats)
         self.last_step = stats
         return stats
+
+    def swap_in_compiled(self) -> bool:
+        """Replay compiled graphs from now on if the session's background compilation has finished
+        (session/background_compile.py); only while no request is in flight, so every request's
+        tokens come from one kind of replay. True when this call switched."""
+        return not self.active and self.session.swap_in_compiled()
 
     def _admit(self, stats: StepStats) -> None:
         for batch in self.scheduler.admissions(stats):

@@ -8,10 +8,18 @@ shared head of a chat's turns, is restored from a snapshot instead of prefilled 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+COMPILE_ENV = "B12X_COMPILE"  # "0": no compiled replay unless asked for (options.compile=True)
+
+
+def compile_default() -> bool:
+    """Compiled replay is on unless the environment says B12X_COMPILE=0 (a machine without a
+    compiler, or a test suite that opens hundreds of short-lived engines)."""
+    return os.environ.get(COMPILE_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -27,7 +35,9 @@ class EngineOptions:
     seed: int = 0
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # each tier's budget; 0: no prefix cache
     prefix_cache_dir: str | None = None  # the L2 tier's directory (snapshots survive restarts)
-    compile: bool = False  # replay through TorchInductor, compiled on first use
+    # Replay through TorchInductor: the plain graphs serve while every bucket compiles in the
+    # background, then all switch at once (session/background_compile.py); cached locally.
+    compile: bool = field(default_factory=compile_default)
     capture: object = None  # how the session captures each bucket (session/capture.py); default by device
 
     def __post_init__(self):
@@ -81,8 +91,11 @@ def open_session(package, options: EngineOptions, drafter=None):
     from b12x_toolchain.runtime.serving.engine import passes_used
 
     slots = options.slots or package.passes["verify"].rows_buckets[-1]
+    # The ranks of a parallel package replay in lockstep, and a switch to compiled graphs is not
+    # yet one of the changes rank 0 sends them: they replay their plain graphs.
+    compiled = options.compile and package.mapping is None
     return package.session(device=options.device, slots=slots, pages=options.pages, cache_bytes=options.cache_bytes,
-                           compile=options.compile, capture=options.capture,
+                           compile=compiled, compile_in_background=True, capture=options.capture,
                            passes=passes_used(package.passes, options.speculative, drafter, options.adaptive))
 
 

@@ -93,6 +93,10 @@ class GraphRunner:
         if self.captures:
             self._graphs[(pass_name, bucket.rows)] = self._measured(pass_name, bucket)
 
+    def recapture(self, pass_name: str, bucket) -> None:
+        """Capture a prepared bucket again, after its graph changed (background_compile.py's swap)."""
+        self._graphs[(pass_name, bucket.rows)] = self._measured(pass_name, bucket)
+
     def _measured(self, pass_name: str, bucket) -> Replayable:
         """_capture, with what it took added to capture_memory; running out of device memory
         says by how much the session does not fit (memory.py), not only that an allocation failed."""

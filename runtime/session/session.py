@@ -32,6 +32,7 @@ from b12x_toolchain.runtime.package.abi import BufferSpec
 from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import place_weights
+from b12x_toolchain.runtime.session.background_compile import BackgroundCompile
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
 from b12x_toolchain.runtime.session.memory import (
@@ -79,7 +80,7 @@ class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                  pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
                  compile=False, compile_cache=None, capture=None, passes=None, engram_tables="device",
-                 memory_fraction: float | None = None):
+                 memory_fraction: float | None = None, compile_in_background: bool = False):
         """memory_fraction: without pages or cache_bytes, the share of the device's free memory
         the page pools and the session's other buffers may take (memory.py; default 0.9 on
         CUDA, 0.25 on CPU). capture: how each bucket's step is captured (graph_runner.py): by
@@ -112,8 +113,11 @@ class Session:
         self.graphs = GraphRunner(self.device, (self.caches, self.staging), capture)
         self.compiled_passes = self._compiled_passes(compile)
         self.compile_cache = cache_dir(package, self.device, compile_cache) if self.compiled_passes else None
+        # In the background (background_compile.py), every bucket starts on its plain graph.
+        self._compiled_now = () if compile_in_background else self.compiled_passes
         # Only the passes it replays: each is deserialised when first prepared (pass_graph.py).
         self.buckets = {name: self._prepare(package.passes[name]) for name in self._replayed(passes)}
+        self.compiler = self._start_compiler() if compile_in_background and self.compiled_passes else None
         if self.device.type == "cuda":  # what capture took beside the budgeted buffers (memory.py)
             self.memory_budget = after_capture(self.memory_budget, self.graphs.capture_memory,
                                                free_bytes(self.device), self.device)
@@ -270,7 +274,7 @@ class Session:
     def _prepare(self, info) -> dict[int, Bucket]:
         # A compiled pass is traced by Inductor from the program (its values described); a replayed
         # one needs only the graph module and calling spec (pass_graph.PassGraph.replay).
-        program = info.program if info.name in self.compiled_passes else info.graph.replay
+        program = info.program if info.name in self._compiled_now else info.graph.replay
         for node in program.graph_module.graph.nodes:
             if node.op == "call_function" and node.target == FUSED:
                 args = dict(zip((a.name for a in FUSED._schema.arguments), node.args))
@@ -288,13 +292,32 @@ class Session:
             padding = {name: -1 if name in info.block_tables.values() else 0 for name in inputs}
             padding[info.input_of("slot_ids")] = self.scratch_slot
             # Compiled per bucket: its shapes are static, and its arguments are these tensors.
-            runs = CompiledGraph(graph, self.compile_cache) if info.name in self.compiled_passes else graph
+            runs = CompiledGraph(graph, self.compile_cache) if info.name in self._compiled_now else graph
             buckets[rows] = Bucket(rows, inputs, outputs, staging, runs, args, program.call_spec.out_spec,
                                    padding)
             self.graphs.add(info.name, buckets[rows])
         if not buckets:
             raise BufferError(f"pass {info.name}: no rows bucket fits max_rows={self.max_rows}; buckets {info.rows_buckets}")
         return buckets
+
+    def _start_compiler(self) -> BackgroundCompile:
+        """Compile the compiled passes' buckets: from the local cache now when it holds them all,
+        otherwise on a worker thread while the plain graphs serve (background_compile.py)."""
+        buckets = [(name, bucket) for name in self.compiled_passes if name in self.buckets
+                   for bucket in self.buckets[name].values()]
+        compiler = BackgroundCompile(buckets, self.compile_cache,
+                                     lambda name: graph_on(self.package.passes[name].program, self.device),
+                                     self.graphs.recapture if self.graphs.captures else None)
+        if compiler.cached:
+            compiler.compile_now()
+        else:
+            compiler.start()
+        return compiler
+
+    def swap_in_compiled(self) -> bool:
+        """Between steps, with no request in flight: replay compiled from now on if the background
+        compilation has finished (background_compile.py). True when this call switched."""
+        return self.compiler is not None and self.compiler.swap_in()
 
     # -- replay -------------------------------------------------------------------------
 

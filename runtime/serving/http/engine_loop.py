@@ -175,6 +175,8 @@ class EngineLoop:
             try:
                 if busy:
                     step = self.engine.step()
+                else:
+                    self.engine.swap_in_compiled()
                 between_steps(self.engine.session, idle=not busy)
             except Exception as exc:  # the engine (or a rank) is unusable: every request gets the error
                 self._fail(exc)
@@ -256,6 +258,7 @@ class EngineLoop:
         self.metrics.running.set(len(self.engine.active))
         self.metrics.record_pages(self.engine.session.pages.pool_stats())
         self.metrics.record_ranks(self.engine.session)
+        self.metrics.record_compile(getattr(self.engine.session, "compiler", None))
 
     def _fail(self, exc: Exception) -> None:
         with self._lock:

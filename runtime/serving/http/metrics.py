@@ -59,6 +59,14 @@ class ServerMetrics:
                                      "other ranks and hearing back", registry=registry)
         self.control_messages = Gauge("b12x_control_messages", "Step messages rank 0 sent to the other ranks",
                                       registry=registry)
+        self.compiled_buckets = Gauge("b12x_compiled_buckets", "(pass, rows bucket) graphs compiled by TorchInductor "
+                                      "so far, of b12x_compile_buckets", registry=registry)
+        self.compile_buckets = Gauge("b12x_compile_buckets", "(pass, rows bucket) graphs to compile; 0: compiled "
+                                     "replay is off", registry=registry)
+        self.compiled_replay = Gauge("b12x_compiled_replay", "1 once the engine replays its compiled graphs "
+                                     "(all switched at once, between requests), else 0", registry=registry)
+        self.compile_failed = Gauge("b12x_compile_failed", "1 when a compilation failed and the plain graphs "
+                                    "stay", registry=registry)
         self.step_seconds = Histogram("b12x_step_seconds", "Engine steps that ran requests: their prefill and decode "
                                       "time", buckets=LATENCY_BUCKETS, registry=registry)
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Row-steps that verified drafts",
@@ -91,6 +99,14 @@ class ServerMetrics:
         for pool, stats in pools.items():
             self.pages_in_use.labels(pool).set(stats.in_use)
             self.pages.labels(pool).set(stats.pages)
+
+    def record_compile(self, compiler) -> None:
+        """The session's background compilation (session/background_compile.py), or None without one."""
+        status = compiler.status() if compiler is not None else {"buckets": 0, "compiled": 0, "state": "off"}
+        self.compile_buckets.set(status["buckets"])
+        self.compiled_buckets.set(status["compiled"])
+        self.compiled_replay.set(status["state"] == "compiled")
+        self.compile_failed.set(status["state"] == "failed")
 
     def record_ranks(self, session) -> None:
         """A parallel package's: each rank's last report and rank 0's control time (runtime/parallel/

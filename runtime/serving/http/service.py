@@ -80,6 +80,8 @@ class Service:
         if self._closed:
             return
         self._closed = True
+        if self.session.compiler is not None:
+            self.session.compiler.stop()  # no further pass graph: the server is going away
         self.loop.stop(timeout=max(grace_seconds, 1.0) + 30.0)
         if self.rank is not None and self.loop.engine is not None:
             self.loop.engine.session.stop()  # the other ranks' loops return

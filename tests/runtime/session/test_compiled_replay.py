@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.session.compiled import CompiledGraph
 from conftest import random_tokens
-from decode_steps import exported
 
 pytestmark = pytest.mark.slow(minutes=1.0)
 
@@ -20,11 +20,14 @@ COMPILED = ("verify", "decode", "commit")
 
 
 @pytest.fixture(scope="module")
-def sessions(one_layer_recipe, tmp_path_factory):
-    package = exported(one_layer_recipe, None, tmp_path_factory)  # half the graph Inductor compiles for SMALL
+def sessions(one_layer_path, tmp_path_factory):
+    package = load(one_layer_path)  # half the graph Inductor compiles for SMALL
     cache = tmp_path_factory.mktemp("compile-cache")
     plain = package.session(slots=1, max_rows=1)
-    compiled = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache)
+    # Compiled as servers compile: in the background (background_compile.py), all switched in at once.
+    compiled = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache, compile_in_background=True)
+    assert compiled.compiler.wait(600) and compiled.compiler.status()["error"] is None
+    assert compiled.swap_in_compiled()
     return package, plain, compiled, cache
 
 
@@ -46,7 +49,7 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
     _copy_state(plain, compiled)
     step = {"token_ids": [block], "slot_ids": [0], "positions": [len(prompt)]}
     want = plain.replay("verify", **step)["logits"].clone()
-    compiled.replay("verify", **step)  # compiles; verify writes only staging, so it can run again
+    compiled.replay("verify", **step)  # verify writes only staging, so it can run again
     with torch.profiler.profile() as profile:
         got = compiled.replay("verify", **step)["logits"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -87,6 +90,20 @@ def test_compiled_passes_agree_with_the_uncompiled_replay(sessions):
     assert compiled.compile_cache.parent == cache / digest
     assert compiled.compile_cache.name == f"cpu-torch{torch.__version__.replace('+', '_')}"
     assert any(compiled.compile_cache.rglob("*")), "nothing was cached"
+
+
+def test_a_later_session_reads_every_graph_back_from_the_cache(sessions):
+    package, plain, compiled, cache = sessions
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    warm = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache, compile_in_background=True)
+    assert warm.compiler.status()["state"] == "compiled"  # loaded as it opened: compiled from its first replay
+    assert counters["aot_autograd"]["autograd_cache_hit"] - hits == len(COMPILED)  # read back, not traced again
+    step = {"token_ids": [[7] * 8], "slot_ids": [0], "positions": [plain.seq_lens[0]]}
+    logits = []
+    for session in (compiled, warm):
+        _copy_state(plain, session)
+        logits.append(session.replay("verify", **step)["logits"].clone())
+    assert torch.equal(*logits)
 
 
 def test_compile_names_the_passes_it_takes(small_path):
