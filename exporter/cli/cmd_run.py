@@ -212,3 +212,16 @@ def _report(outcome: _Outcome, options, show_steps: bool, show_ids: bool) -> Non
     console.print(_stats_table(report, mode))
     console.print(_pages_table(engine.session.pages.stats()))
     console.print(_requests_table(outcome.states))
+    compiler = getattr(engine.session, "compiler", None)
+    if compiler is not None:
+        click.echo(_compile_line(compiler.status()), err=True)
+
+
+def _compile_line(status: dict) -> str:
+    """What replayed this run: compiled graphs, or plain ones while the compilation went on (kept for the next run)."""
+    if status["state"] == "compiled":
+        return f"replay: compiled ({status['buckets']} pass graphs)"
+    if status["state"] == "failed":
+        return f"replay: plain; compilation failed: {status['error'].splitlines()[0]}"
+    return (f"replay: plain while {status['compiled']} of {status['buckets']} pass graphs compiled in the background "
+            "(kept: a later run picks up from there; `b12x compile` finishes them)")

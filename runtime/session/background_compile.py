@@ -40,13 +40,14 @@ def compile_key(buckets: list[tuple[str, object]]) -> str:
 
 
 class BackgroundCompile:
-    def __init__(self, buckets: list[tuple[str, object]], directory: Path, graph_of, recapture=None):
+    def __init__(self, buckets: list[tuple[str, object]], directory: Path, graph_of, recapture=None,
+                 device: torch.device | None = None):
         """buckets: (pass name, Bucket) pairs to compile; directory: the compile cache (compiled.cache_dir);
         graph_of(pass name): the pass's graph as Inductor traces it (with its values described:
         the package's program, loaded on the worker thread). recapture(pass name, bucket): called
         after a swap where the session captures its buckets (CUDA graphs hold the plain kernels)."""
         self.buckets, self.directory, self._recapture = buckets, Path(directory), recapture
-        self._graph_of = graph_of
+        self._graph_of, self.device = graph_of, device
         self.compiled: dict[tuple[str, int], CompiledGraph] = {}
         self.record = self.directory / f"compiled-{compile_key(buckets)}.json"
         self.done, self.swapped, self._stop = threading.Event(), False, threading.Event()
@@ -78,6 +79,8 @@ class BackgroundCompile:
 
     def _compile_all(self) -> None:
         try:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread: Triton compiles for it
             graphs = {}
             with torch.no_grad():  # grad mode is per thread; the serving thread runs without it too
                 for name, bucket in self.buckets:

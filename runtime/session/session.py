@@ -307,7 +307,7 @@ class Session:
                    for bucket in self.buckets[name].values()]
         compiler = BackgroundCompile(buckets, self.compile_cache,
                                      lambda name: graph_on(self.package.passes[name].program, self.device),
-                                     self.graphs.recapture if self.graphs.captures else None)
+                                     self.graphs.recapture if self.graphs.captures else None, self.device)
         if compiler.cached:
             compiler.compile_now()
         else:

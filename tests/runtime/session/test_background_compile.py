@@ -133,9 +133,12 @@ def test_compilation_is_on_by_default_and_one_switch_turns_it_off(one_layer_path
     off = open_engine(load(one_layer_path), EngineOptions(slots=1, prefix_cache_bytes=0, compile=False))
     assert off.session.compiler is None and off.configuration()["compiled_passes"] == []
     engine.session.compiler.wait(60)
+    result = CliRunner().invoke(main, ["run", str(one_layer_path), "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                                       "--slots", "1"])
+    assert result.exit_code == 0 and "replay: compiled (" in result.output, result.output  # the cache is warm now
     inductor.threads.clear()
     result = CliRunner().invoke(main, ["run", str(one_layer_path), "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
                                        "--slots", "1", "--no-compile"])
-    assert result.exit_code == 0 and inductor.threads == [], result.output
+    assert result.exit_code == 0 and inductor.threads == [] and "replay:" not in result.output, result.output
     monkeypatch.setenv("B12X_COMPILE", "0")
     assert not EngineOptions().compile
