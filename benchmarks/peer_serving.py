@@ -23,12 +23,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -40,6 +38,7 @@ from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from benchmarks.registry import Measurement, Settings, benchmark
+from benchmarks.serving_http import concurrently, stop
 from benchmarks.v4_reference import fp32_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,12 +103,7 @@ def running(command: list[str], url: str, env: dict):
             time.sleep(0.05)
         yield time.perf_counter() - start
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        process.stderr.close()
+        stop(process)
 
 
 class Client:
@@ -140,23 +134,7 @@ class Client:
         return tokens, first - sent, ((end or first) - first) / max(tokens - 1, 1)
 
     def serve(self, texts: list[str], concurrency: int) -> dict:
-        todo, lock, results = list(texts), threading.Lock(), []
-
-        def worker():
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    text = todo.pop(0)
-                results.append(self.one(text))
-
-        start = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - start
+        results, wall = concurrently(texts, concurrency, self.one)
         return {"tokens_per_s": sum(r[0] for r in results) / wall,
                 "ttft_s": statistics.median(r[1] for r in results), "tpot_s": statistics.median(r[2] for r in results)}
 

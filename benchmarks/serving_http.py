@@ -85,23 +85,30 @@ class Clients:
 
     def serve(self, prompts: list[list[int]], concurrency: int) -> float:
         """Output tokens/s of the whole set, `concurrency` requests in flight."""
-        todo, lock, counts = list(prompts), threading.Lock(), []
+        counts, wall = concurrently(prompts, concurrency, self.one)
+        return sum(counts) / wall
 
-        def worker():
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    prompt = todo.pop(0)
-                counts.append(self.one(prompt))
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return sum(counts) / (time.perf_counter() - start)
+def concurrently(items: list, concurrency: int, one) -> tuple[list, float]:
+    """`one(item)` for every item from `concurrency` threads, each taking the next item when done;
+    (the results, in the order they finished; the wall time of the whole set)."""
+    todo, lock, results = list(items), threading.Lock(), []
+
+    def worker():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                item = todo.pop(0)
+            results.append(one(item))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -118,12 +125,17 @@ def serve(package_path: Path, *args, slots: int = max(CONCURRENCY)):
             raise RuntimeError(f"b12x serve did not start: {line}{process.stderr.read()}")
         yield found.group(1)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        process.stderr.close()
+        stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM a server and wait for it to drain (a minute at most, then kill)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    process.stderr.close()
 
 
 def measure(package_path: Path, settings: Settings) -> list:
