@@ -111,16 +111,18 @@ def _mtp_tensors(weights: dict[str, torch.Tensor], original_format: bool) -> dic
     return out
 
 
-def save_tiny_checkpoint(directory, seed: int = 0, *, original_format: bool = True) -> TinyCheckpoint:
+def save_tiny_checkpoint(directory, seed: int = 0, *, original_format: bool = True,
+                         small: bool = False) -> TinyCheckpoint:
     """Write the checkpoint into `directory` in a few shards plus the index.
 
     original_format: the names transformers' save_pretrained writes by default (DeepSeek's
     release layout); False: state-dict names, as `save_original_format=False` writes them.
+    small: the SMALL_V4 cut (one CSA and one HCA layer) instead of dsv4-tiny's four layers.
     """
     directory = Path(directory)
     torch.manual_seed(seed)  # the transformers init is overwritten, but keep it reproducible anyway
-    model = transformers.DeepseekV4ForCausalLM(tiny_v4_config()).eval()
-    weights = tiny_weights(seed)
+    model = transformers.DeepseekV4ForCausalLM(small_v4_config() if small else tiny_v4_config()).eval()
+    weights = tiny_weights(seed, small)
     model.load_state_dict({k: t for k, t in weights.items() if not k.startswith("mtp.")}, strict=True)
     # Small shards, so the import reads an index and more than one file.
     model.save_pretrained(directory, max_shard_size="1MB", save_original_format=original_format)

@@ -30,13 +30,15 @@ SPARSE_ATTENTION = ops.sparse_attention.default
 
 @pytest.fixture(scope="module")
 def recipe():
-    return fp32_tiny_recipe()  # the checkpoint transformers saves holds fp32 weights
+    # The checkpoint transformers saves holds fp32 weights; dsv4-tiny cut to one CSA and one HCA
+    # layer (SMALL_V4): every layer kind and the MTP draft, at half the layers' work.
+    return fp32_tiny_recipe(small=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """Random weights saved by `transformers`' save_pretrained (plus the MTP stage's)."""
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("v4ckpt"), seed=3)
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("v4ckpt"), seed=3, small=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def fp32_pkg(recipe, weights, tmp_path_factory):
-    return exported(recipe, weights, tmp_path_factory, FP32_CACHES, name="dsv4-tiny-fp32")
+    return exported(recipe, weights, tmp_path_factory, FP32_CACHES, name="dsv4-small-fp32")
 
 
 @pytest.fixture(scope="module")
