@@ -8,6 +8,10 @@ Three comparisons, each per pass and rows count:
   pass module directly on the very same weights, caches, staging and static inputs;
   ratio = ours / eager. "Ours" includes what a caller of the runtime pays per replay
   (input validation, copies into the bucket's static inputs and outputs); eager does not.
+* replay overhead: `Session.replay` against calling the bucket's graph alone on its fixed
+  arguments (torch dispatching the graph's nodes and nothing else); ratio = replay / graph,
+  what the runtime adds per replay on top of torch's own dispatch (validation, the copies
+  into the static inputs, outputs by kind).
 * graph nodes: call_function nodes per pass graph, from the fused package's manifest;
   ratio = fused / unfused.
 
@@ -131,7 +135,7 @@ def replay_benchmark(settings: Settings) -> list:
 
     results = node_counts(fused_pkg.manifest, unfused_pkg.manifest)
     fused, unfused = prefilled_session(fused_pkg), prefilled_session(unfused_pkg)
-    fused_vs_unfused, ours_vs_eager = [], []
+    fused_vs_unfused, ours_vs_eager, overhead = [], [], []
     for pass_name in TIMED_PASSES:
         module = PASSES[pass_name](dims)
         for rows in ROWS:
@@ -151,4 +155,7 @@ def replay_benchmark(settings: Settings) -> list:
                                                   "unfused", "fused", params))
             ours_vs_eager.append(compare_timed("replay.ours_vs_eager", case, eager, ours, settings,
                                                "eager", "ours", params))
-    return fused_vs_unfused + ours_vs_eager + results
+            bucket = fused.bucket_for(pass_name, rows)
+            overhead.append(compare_timed("replay.overhead", case, lambda: bucket.graph(*bucket.args), ours,
+                                          settings, "graph alone", "Session.replay", params))
+    return fused_vs_unfused + ours_vs_eager + overhead + results

@@ -43,8 +43,9 @@ class BackgroundCompile:
     def __init__(self, buckets: list[tuple[str, object]], directory: Path, graph_of, recapture=None,
                  device: torch.device | None = None):
         """buckets: (pass name, Bucket) pairs to compile; directory: the compile cache (compiled.cache_dir);
-        graph_of(pass name): the pass's graph as Inductor traces it (with its values described:
-        the package's program, loaded on the worker thread). recapture(pass name, bucket): called
+        graph_of(pass name): the pass's graph, built on the worker
+        thread (the replay graph: Inductor traces it afresh, and torch's caches key it by its
+        code, which the package's full program shares, so reading that program is not needed). recapture(pass name, bucket): called
         after a swap where the session captures its buckets (CUDA graphs hold the plain kernels)."""
         self.buckets, self.directory, self._recapture = buckets, Path(directory), recapture
         self._graph_of, self.device = graph_of, device

@@ -306,7 +306,7 @@ class Session:
         buckets = [(name, bucket) for name in self.compiled_passes if name in self.buckets
                    for bucket in self.buckets[name].values()]
         compiler = BackgroundCompile(buckets, self.compile_cache,
-                                     lambda name: graph_on(self.package.passes[name].program, self.device),
+                                     lambda name: graph_on(self.package.passes[name].graph.replay, self.device),
                                      self.graphs.recapture if self.graphs.captures else None, self.device)
         if compiler.cached:
             compiler.compile_now()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow(minutes=0.6)  # the module's time on two busy core
 RUNNER = ROOT / "benchmarks" / "run.py"
 
 
-TIMED = {"replay.fused_vs_unfused", "replay.ours_vs_eager"}
+TIMED = {"replay.fused_vs_unfused", "replay.ours_vs_eager", "replay.overhead"}
 TIMED_CASES = {"verify rows=1", "verify rows=3 (bucket 4)", "draft rows=1", "draft rows=3 (bucket 4)"}
 NODE_CASES = {"prefill", "verify", "draft", "commit", "decode"}
 
