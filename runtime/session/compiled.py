@@ -17,7 +17,7 @@ shapes, so one compilation per (pass, rows bucket). Inductor keeps what it gener
 a local cache directory keyed by the package's manifest digest, the device type and the
 torch version, so a second process with the same package and torch reuses it and
 another package or torch never sees it. Both of torch's caches answer there, Inductor's
-graph cache and AOTAutograd's (`_tracing_with_shape_env`, `marked_cacheable`): a later
+graph cache and AOTAutograd's (`_static_fakes`, `marked_cacheable`): a later
 compilation of the same graph reads the generated code back without tracing it again, in
 seconds (a pass graph of the one-layer test recipe: 3 s against about a minute of CPU).
 
@@ -74,18 +74,22 @@ def _inductor_cache(directory: Path):
             os.environ[INDUCTOR_ENV] = before
 
 
-@contextlib.contextmanager
-def _tracing_with_shape_env():
-    """Inductor looks its compiled graphs up in its on-disk cache only when the tracing context's
+def _static_fakes(args) -> tuple[object, list]:
+    """(the tracing context to compile in, `args` as fake tensors of static shape).
+
+    Inductor looks its compiled graphs up in its on-disk cache only when the tracing context's
     fake mode has a shape environment (a graph compiled outside torch.compile has none unless
     given one); with it, a process after the first reads the generated code instead of
-    generating and building it again. The shapes stay static."""
+    generating and building it again. Given real tensors, that fake mode would make every
+    dimension symbolic (dynamic-shape kernels); fakes of static shape made here keep each
+    bucket's shapes fixed, as its kernels and their reduction order are meant to be."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))):
-        yield
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+    return tracing(TracingContext(fake_mode)), fakes
 
 
 def marked_cacheable(graph: torch.fx.GraphModule) -> dict[str, str]:
@@ -134,10 +138,11 @@ class CompiledGraph:
 
         graph = copy.deepcopy(self.graph)  # buckets (and the uncompiled replay) share the package's graph
         lower_for_inductor(graph)
-        with _inductor_cache(self.directory), _tracing_with_shape_env():
+        context, fakes = _static_fakes(args)
+        with _inductor_cache(self.directory), context:
             # Inductor's own decompositions; graph order kept (see INDUCTOR_CONFIG).
             patches = {**INDUCTOR_CONFIG, "unsafe_marked_cacheable_functions": marked_cacheable(graph)}
-            self._compiled = compile_fx(graph, list(args), config_patches=patches)
+            self._compiled = compile_fx(graph, fakes, config_patches=patches)
 
     def __call__(self, *args):
         if self._compiled is None:
