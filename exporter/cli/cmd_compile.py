@@ -26,20 +26,13 @@ def compile_package(package, **flags):
 
     options = replace(engine_options(flags), compile=True)
     start = time.perf_counter()
-    try:
-        session = open_session(load(package), options)
+    try:  # every graph compiled (or read back from the cache) as the session opens, on this thread
+        session = open_session(load(package), options, compile_here=True)
     except (PackageError, ValueError, OSError, RuntimeError) as exc:
         fail(str(exc))
-    compiler = session.compiler
-    if compiler is None:  # a parallel package: its ranks replay their plain graphs (serving/options.py)
+    if session.compiler is None:  # a parallel package: its ranks replay their plain graphs (serving/options.py)
         fail(f"{package}: a parallel package's ranks do not replay compiled graphs; nothing to compile")
-    shown = -1
-    while not compiler.wait(timeout=1.0):
-        done = compiler.status()["compiled"]
-        if done != shown:
-            click.echo(f"compiled {done} of {len(compiler.buckets)} pass graphs …", err=True)
-            shown = done
-    status = compiler.status()
+    status = session.compiler.status()
     if status["state"] == "failed":
         fail(f"compilation failed: {status['error']}")
     click.echo(f"{status['buckets']} pass graphs compiled in {time.perf_counter() - start:.0f} s; cached in "

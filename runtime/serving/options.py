@@ -86,8 +86,9 @@ def rank_prefix_dir(directory: str | None, rank: int | None) -> str | None:
     return str(Path(directory) / f"rank-{rank}")
 
 
-def open_session(package, options: EngineOptions, drafter=None):
-    """The session `options` describe over a loaded package, with only the passes its engine replays."""
+def open_session(package, options: EngineOptions, drafter=None, compile_here: bool = False):
+    """The session `options` describe over a loaded package, with only the passes its engine replays.
+    compile_here: compile every graph now, on this thread (`b12x compile`), not in the background."""
     from b12x_toolchain.runtime.serving.engine import passes_used
 
     slots = options.slots or package.passes["verify"].rows_buckets[-1]
@@ -95,7 +96,8 @@ def open_session(package, options: EngineOptions, drafter=None):
     # yet one of the changes rank 0 sends them: they replay their plain graphs.
     compiled = options.compile and package.mapping is None
     return package.session(device=options.device, slots=slots, pages=options.pages, cache_bytes=options.cache_bytes,
-                           compile=compiled, compile_in_background=True, capture=options.capture,
+                           compile=compiled, compile_in_background="here" if compile_here else True,
+                           capture=options.capture,
                            passes=passes_used(package.passes, options.speculative, drafter, options.adaptive))
 
 

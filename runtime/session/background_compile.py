@@ -66,9 +66,22 @@ class BackgroundCompile:
         self._compile_all()
         return self.swap_in()
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._compile_all, name="b12x-compile", daemon=True)
+    def start(self, child_spec: dict | None = None) -> None:
+        """Compile on a worker thread: in a child process when `child_spec` says how to open the
+        session there (compile_worker.py), the thread then only loading the results; else itself."""
+        target = self._compile_all if child_spec is None else lambda: self._via_child(child_spec)
+        self._thread = threading.Thread(target=target, name="b12x-compile", daemon=True)
         self._thread.start()
+
+    def _via_child(self, spec: dict) -> None:
+        from b12x_toolchain.runtime.session.compile_worker import run_child
+
+        status, errors = run_child(spec)
+        if status != 0:
+            self.error = f"the compiling process exited with {status}: {errors}"
+            self.done.set()
+            return
+        self._compile_all()  # from the cache the child filled: loads, no tracing
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the compilation ended (finished or failed); True when it did within `timeout`."""

@@ -33,6 +33,7 @@ from b12x_toolchain.runtime.package.contract import CachePages
 from b12x_toolchain.runtime.package.kinds import KINDS
 from b12x_toolchain.runtime.package.weight_binding import place_weights
 from b12x_toolchain.runtime.session.background_compile import BackgroundCompile
+from b12x_toolchain.runtime.session.compile_worker import session_spec
 from b12x_toolchain.runtime.session.compiled import CompiledGraph, cache_dir
 from b12x_toolchain.runtime.session.graph_runner import GraphRunner
 from b12x_toolchain.runtime.session.memory import (
@@ -115,6 +116,7 @@ class Session:
         self.compile_cache = cache_dir(package, self.device, compile_cache) if self.compiled_passes else None
         # In the background (background_compile.py), every bucket starts on its plain graph.
         self._compiled_now = () if compile_in_background else self.compiled_passes
+        self._compile_here = compile_in_background == "here"  # compile_worker.py's own session
         # Only the passes it replays: each is deserialised when first prepared (pass_graph.py).
         self.buckets = {name: self._prepare(package.passes[name]) for name in self._replayed(passes)}
         self.compiler = self._start_compiler() if compile_in_background and self.compiled_passes else None
@@ -308,10 +310,10 @@ class Session:
         compiler = BackgroundCompile(buckets, self.compile_cache,
                                      lambda name: graph_on(self.package.passes[name].graph.replay, self.device),
                                      self.graphs.recapture if self.graphs.captures else None, self.device)
-        if compiler.cached:
+        if compiler.cached or self._compile_here:
             compiler.compile_now()
         else:
-            compiler.start()
+            compiler.start(session_spec(self))
         return compiler
 
     def swap_in_compiled(self) -> bool:

@@ -14,6 +14,7 @@ from b12x_toolchain.exporter.cli.main import main
 from b12x_toolchain.runtime import EngineOptions, load, open_engine
 from b12x_toolchain.runtime.serving.http.metrics import ServerMetrics
 from b12x_toolchain.runtime.serving.requests import Request
+from b12x_toolchain.runtime.session import session as session_module
 from b12x_toolchain.runtime.session.compiled import CACHE_ENV, CompiledGraph
 
 OPTIONS = EngineOptions(slots=1, prefix_cache_bytes=0, compile=True)
@@ -49,6 +50,8 @@ class FakeInductor:
 def inductor(monkeypatch, tmp_path):
     fake = FakeInductor()
     monkeypatch.setattr(CompiledGraph, "compile", lambda graph, args: fake.compile(graph, args))
+    # Compiled on the worker thread itself, where the stand-in is (a child process would run Inductor).
+    monkeypatch.setattr(session_module, "session_spec", lambda session: None)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "compiled"))
     return fake
 

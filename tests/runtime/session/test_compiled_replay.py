@@ -24,7 +24,8 @@ def sessions(one_layer_path, tmp_path_factory):
     package = load(one_layer_path)  # half the graph Inductor compiles for SMALL
     cache = tmp_path_factory.mktemp("compile-cache")
     plain = package.session(slots=1, max_rows=1)
-    # Compiled as servers compile: in the background (background_compile.py), all switched in at once.
+    # Compiled as servers compile: in the background, by a child process, then loaded from the cache
+    # and switched in all at once (background_compile.py, compile_worker.py).
     compiled = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache, compile_in_background=True)
     assert compiled.compiler.wait(600) and compiled.compiler.status()["error"] is None
     assert compiled.swap_in_compiled()
