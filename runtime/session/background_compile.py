@@ -1,8 +1,9 @@
 """Compiled replay without waiting: a session compiles its buckets off the serving thread.
 
 A session opened with `compile_in_background` replays its plain graphs from its first
-request while a worker thread compiles every (pass, rows bucket) of its compiled passes
-(compiled.py). When all of them have compiled, `swap_in()` switches every bucket at once;
+request while a child process compiles every (pass, rows bucket) of its compiled passes
+into the local cache (compile_worker.py says why not a thread) and a worker thread then loads
+them (compiled.py). When all of them have compiled, `swap_in()` switches every bucket at once;
 the engine calls it between steps while no request is in flight. One switch, not one per
 bucket as it finishes: compiled and plain replays round differently (compiled.py), and a
 request's tokens must come from one or the other, or a decode and a verify of the same token
