@@ -128,15 +128,15 @@ class Package:
     def session(self, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                 pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
                 compile=False, compile_cache=None, passes=None, capture=None, engram_tables="device",
-                memory_fraction: float | None = None, compile_in_background: bool = False):
+                memory_fraction: float | None = None, compile_in_background: bool | str = False):
         """A session of `slots` request slots; `pages` (per pool, or one count for every pool)
         or `cache_bytes` bound the paged caches (default: what `memory_fraction` of the device's
         free memory holds, 0.9 on CUDA and 0.25 on CPU, at most every slot at max_seq_len);
         `contiguous` keeps each slot's pages in one run (Session); `compile` (True, or pass
         names) replays those passes through Inductor, compiled on this machine on first use
         and cached under `compile_cache` (session/compiled.py), or with `compile_in_background`
-        compiled on a worker thread while the plain graphs replay, then switched to at once
-        (session/background_compile.py). `passes` (names) prepares only
+        compiled by a child process while the plain graphs replay, then switched to at once
+        (session/background_compile.py; "here": on this thread as the session opens). `passes` (names) prepares only
         those, and deserialises only their graphs (default: every pass); `capture` is how each
         bucket's step is captured (graph_runner.py: CUDA graphs on a CUDA device by default).
         `engram_tables`: "device" (default) keeps the Engram tables on `device` like every

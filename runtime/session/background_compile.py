@@ -54,7 +54,6 @@ class BackgroundCompile:
         self.record = self.directory / f"compiled-{compile_key(buckets)}.json"
         self.done, self.swapped, self._stop = threading.Event(), False, threading.Event()
         self.error: str | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def cached(self) -> bool:
@@ -71,8 +70,7 @@ class BackgroundCompile:
         """Compile on a worker thread: in a child process when `child_spec` says how to open the
         session there (compile_worker.py), the thread then only loading the results; else itself."""
         target = self._compile_all if child_spec is None else lambda: self._via_child(child_spec)
-        self._thread = threading.Thread(target=target, name="b12x-compile", daemon=True)
-        self._thread.start()
+        threading.Thread(target=target, name="b12x-compile", daemon=True).start()
 
     def _via_child(self, spec: dict) -> None:
         from b12x_toolchain.runtime.session.compile_worker import run_child

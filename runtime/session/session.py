@@ -81,7 +81,7 @@ class Session:
     def __init__(self, package, device="cpu", slots: int = 1, max_rows: int | None = None, buffers: dict | None = None,
                  pages: int | dict | None = None, cache_bytes: int | None = None, contiguous: bool = False,
                  compile=False, compile_cache=None, capture=None, passes=None, engram_tables="device",
-                 memory_fraction: float | None = None, compile_in_background: bool = False):
+                 memory_fraction: float | None = None, compile_in_background: bool | str = False):
         """memory_fraction: without pages or cache_bytes, the share of the device's free memory
         the page pools and the session's other buffers may take (memory.py; default 0.9 on
         CUDA, 0.25 on CPU). capture: how each bucket's step is captured (graph_runner.py): by
