@@ -118,6 +118,11 @@ after its write cannot be updated in place: Inductor would then clone the whole 
 write the clone and copy it back on every replay, a cost of the cache's size rather than
 the request's. Kept in graph order, every cache write happens in place."""
 
+CPU_CONFIG = {"cpp_wrapper": True}
+"""On CPU, the graph's wrapper is C++ too, and its kernels are defined in the wrapper's source:
+one compiler run per graph rather than one per kernel (a one-layer decode graph: 35 runs of
+the compiler, 86 s of CPU, against 59 s), and no Python between kernels at each replay."""
+
 
 class CompiledGraph:
     """Callable like the pass graph; compiles itself with Inductor on the first call."""
@@ -142,6 +147,8 @@ class CompiledGraph:
         with _inductor_cache(self.directory), context:
             # Inductor's own decompositions; graph order kept (see INDUCTOR_CONFIG).
             patches = {**INDUCTOR_CONFIG, "unsafe_marked_cacheable_functions": marked_cacheable(graph)}
+            if all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)):
+                patches.update(CPU_CONFIG)
             self._compiled = compile_fx(graph, fakes, config_patches=patches)
 
     def __call__(self, *args):

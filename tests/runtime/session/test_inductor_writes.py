@@ -45,8 +45,14 @@ def _compiled_code(directory, args) -> tuple[torch.Tensor, str]:
 
 
 def _largest_buffer(code: str) -> int:
+    """The most elements of a buffer the graph allocates: `empty_strided_cpu((sizes), ...)` in a
+    Python wrapper, `aoti_torch_empty_strided(ndim, int_array_K, ...)` with K's sizes defined
+    above it in a C++ one (compiled.CPU_CONFIG)."""
+    arrays = dict(re.findall(r"(int_array_\d+)\[\] = \{([\dL, ]*)\}", code))
     shapes = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code)
-    return max(torch.Size(int(d) for d in s.split(",") if d.strip()).numel() for s in shapes)
+    shapes += [arrays[name] for name in re.findall(r"aoti_torch_empty_strided\(\d+, (int_array_\d+)", code)]
+    assert shapes, "no buffer allocation found in the generated code"
+    return max(torch.Size(int(d.strip().rstrip("L")) for d in s.split(",") if d.strip()).numel() for s in shapes)
 
 
 def test_compiled_write_after_read_updates_the_cache_in_place(tmp_path, monkeypatch):
