@@ -99,6 +99,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Modules whose exports trace the same passes with other weights run on one worker, so the
+# later export copies the earlier one's traces (trace_cache.py keeps them per process): the
+# V4 small model in fp32 is imported from transformers' checkpoint by test_v4_fidelity and
+# drawn from the v4_reference seed by dsv4_small_path.
+SAME_TRACES = {module: "dsv4-small-fp32" for module in (
+    "tests/exporter/model/test_v4_fidelity.py", "tests/runtime/package/test_graph_loader.py", "tests/bench/test_benchmarks.py")}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by module (--dist loadscope), with SAME_TRACES's modules as one unit."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedTraces(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_TRACES.get(scope, scope)
+
+    return SharedTraces(config, log)
+
+
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory) -> Path:
     """A folder shared by every worker of this test run (each worker has its own basetemp below it)."""
@@ -247,14 +269,26 @@ def dsv4_small_path(run_dir):
     return once_per_run(run_dir, "dsv4-small-fp32", build)
 
 
+def tiny_packages(tiny_recipe, run_dir) -> tuple[Path, Path]:
+    """The tiny recipe exported fused and unfused (fused, unfused), both by the first worker that
+    asks for either: the second export copies the first's traces (trace_cache.py) instead of
+    tracing the same passes again in another worker."""
+    def build(out):
+        export_package(tiny_recipe, out / "unfused", fuse=False)
+        return export_package(tiny_recipe, out / "fused").path
+
+    fused = once_per_run(run_dir, "tiny", build)
+    return fused, fused.parent.parent / "unfused" / fused.name
+
+
 @pytest.fixture(scope="session")
 def fused_path(tiny_recipe, run_dir):
-    return once_per_run(run_dir, "fused", lambda out: export_package(tiny_recipe, out).path)
+    return tiny_packages(tiny_recipe, run_dir)[0]
 
 
 @pytest.fixture(scope="session")
 def unfused_path(tiny_recipe, run_dir):
-    return once_per_run(run_dir, "unfused", lambda out: export_package(tiny_recipe, out, fuse=False).path)
+    return tiny_packages(tiny_recipe, run_dir)[1]
 
 
 @pytest.fixture(scope="session")
