@@ -75,7 +75,10 @@ class BackgroundCompile:
     def _via_child(self, spec: dict) -> None:
         from b12x_toolchain.runtime.session.compile_worker import run_child
 
-        status, errors = run_child(spec)
+        try:
+            status, errors = run_child(spec)
+        except OSError as exc:  # not started at all: as failed as a child that exited badly
+            status, errors = None, str(exc)
         if status != 0:
             self.error = f"the compiling process exited with {status}: {errors}"
             self.done.set()
@@ -104,6 +107,8 @@ class BackgroundCompile:
                     compiled = CompiledGraph(graphs[name], self.directory)
                     compiled.compile(bucket.args)
                     self.compiled[(name, bucket.rows)] = compiled
+            if self.cached:  # written by the child that compiled these (compile_worker.py)
+                return
             self.record.parent.mkdir(parents=True, exist_ok=True)
             partial = self.record.with_suffix(f".{os.getpid()}.partial")  # a reader sees all of it or none
             partial.write_text(json.dumps({"buckets": sorted(f"{n}/{r}" for n, r in self.compiled)}))

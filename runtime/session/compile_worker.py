@@ -54,11 +54,8 @@ def run_child(spec: dict) -> tuple[int, str]:
 
 
 def main() -> None:
-    import torch
-
     from b12x_toolchain.runtime import load
 
-    torch.set_num_threads(1)
     spec = json.loads(sys.stdin.read())
     session = load(spec["package"]).session(
         device=spec["device"], slots=spec["slots"], max_rows=spec["max_rows"], pages=spec["pages"],

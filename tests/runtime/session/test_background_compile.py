@@ -114,6 +114,21 @@ def test_a_failed_compilation_keeps_the_plain_graphs_and_says_so(one_layer_path,
     assert "b12x_compile_failed 1.0" in text and "b12x_compiled_replay 0.0" in text
 
 
+def test_a_compiling_process_that_cannot_start_ends_the_compilation_as_failed(one_layer_path, monkeypatch, tmp_path):
+    from b12x_toolchain.runtime.session import compile_worker
+
+    def no_child(spec):
+        raise OSError("no such interpreter")
+
+    monkeypatch.setattr(compile_worker, "run_child", no_child)
+    session = load(one_layer_path).session(slots=1, compile=("verify",), compile_in_background=True,
+                                           compile_cache=tmp_path)
+    assert session.compiler.wait(10)  # ended, not left compiling forever
+    status = session.compiler.status()
+    assert status["state"] == "failed" and "no such interpreter" in status["error"]
+    assert not session.swap_in_compiled()
+
+
 def test_compile_command_fills_the_cache_a_server_with_the_same_flags_opens_compiled(one_layer_path, inductor):
     result = CliRunner().invoke(main, ["compile", str(one_layer_path), "--slots", "1"])
     assert result.exit_code == 0, result.output
