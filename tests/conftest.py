@@ -197,7 +197,23 @@ def shipped_path(run_dir):
 
 @pytest.fixture(scope="session")
 def small_path(small_recipe, run_dir):
-    return once_per_run(run_dir, "small", lambda out: export_package(small_recipe, out).path)
+    """The small recipe fused: the package of the serving, prefix, command-line and benchmark tests."""
+    return fused_and_unfused(small_recipe, run_dir, "small")[0]
+
+
+@pytest.fixture(scope="session")
+def small_unfused_path(small_recipe, run_dir):
+    return fused_and_unfused(small_recipe, run_dir, "small")[1]
+
+
+@pytest.fixture(scope="session")
+def small_pkg(small_path):
+    return load(small_path)
+
+
+@pytest.fixture(scope="session")
+def small_unfused_pkg(small_unfused_path):
+    return load(small_unfused_path)
 
 
 @pytest.fixture(scope="session")
@@ -269,26 +285,26 @@ def dsv4_small_path(run_dir):
     return once_per_run(run_dir, "dsv4-small-fp32", build)
 
 
-def tiny_packages(tiny_recipe, run_dir) -> tuple[Path, Path]:
-    """The tiny recipe exported fused and unfused (fused, unfused), both by the first worker that
-    asks for either: the second export copies the first's traces (trace_cache.py) instead of
-    tracing the same passes again in another worker."""
+def fused_and_unfused(recipe, run_dir, key: str) -> tuple[Path, Path]:
+    """`recipe` exported fused and unfused (fused, unfused), both by the first worker that asks
+    for either: the second export copies the first's traces (trace_cache.py) instead of tracing
+    the same passes again in another worker."""
     def build(out):
-        export_package(tiny_recipe, out / "unfused", fuse=False)
-        return export_package(tiny_recipe, out / "fused").path
+        export_package(recipe, out / "unfused", fuse=False)
+        return export_package(recipe, out / "fused").path
 
-    fused = once_per_run(run_dir, "tiny", build)
+    fused = once_per_run(run_dir, key, build)
     return fused, fused.parent.parent / "unfused" / fused.name
 
 
 @pytest.fixture(scope="session")
 def fused_path(tiny_recipe, run_dir):
-    return tiny_packages(tiny_recipe, run_dir)[0]
+    return fused_and_unfused(tiny_recipe, run_dir, "tiny")[0]
 
 
 @pytest.fixture(scope="session")
 def unfused_path(tiny_recipe, run_dir):
-    return tiny_packages(tiny_recipe, run_dir)[1]
+    return fused_and_unfused(tiny_recipe, run_dir, "tiny")[1]
 
 
 @pytest.fixture(scope="session")

@@ -80,11 +80,6 @@ def test_session_refuses_a_fused_graph_for_an_unqualified_history(one_layer_reci
         package.session(slots=1)
 
 
-@pytest.fixture(scope="module")
-def small_pkg(small_path):
-    return load(small_path)
-
-
 @pytest.mark.parametrize("tensor, message", [
     (torch.zeros(2, 128, 66, dtype=torch.float32), r"dtype torch.float32 does not match the expected torch.uint8"),
     (torch.zeros(2, 127, 66, dtype=torch.uint8), r"shape \(2, 127, 66\) does not match the expected \(2, 128, 66\)"),

@@ -7,6 +7,7 @@ states the setting it needs instead of relying on it.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -21,12 +22,11 @@ REWRITES = ["fuse_window_snapshot"]
 
 
 @pytest.fixture
-def reusing():
-    saved = trace_cache._enabled[0]
-    trace_cache.reuse_traces()
-    trace_cache._entries.clear()
+def reusing(monkeypatch):
+    # An empty cache of the test's own: the traces this worker keeps for the rest of the suite stay.
+    monkeypatch.setattr(trace_cache, "_entries", OrderedDict())
+    monkeypatch.setattr(trace_cache, "_enabled", [True])
     yield trace_cache.counts
-    trace_cache.reuse_traces(saved)
 
 
 def _job(recipe, name, rewrites=REWRITES, weights=None):

@@ -17,11 +17,6 @@ from b12x_toolchain.runtime.package.reader import Package
 
 
 @pytest.fixture(scope="session")
-def small_pkg(small_path):
-    return load(small_path)
-
-
-@pytest.fixture(scope="session")
 def other_weights_pkg(small_pkg, small_path, tmp_path_factory):
     """The same recipe with other weights: weights are graph inputs, so only weights.safetensors
     and its hash in the manifest change — what an export from another checkpoint gives."""
