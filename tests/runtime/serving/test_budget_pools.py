@@ -31,15 +31,15 @@ def serve(session, requests):
     return [s.tokens for s in states], engine.stats.as_dict()
 
 
-def test_budget_pools_serve_like_the_contiguous_layout(fused_pkg, requests, monkeypatch):
-    contiguous, _ = serve(fused_pkg.session(slots=SLOTS, max_rows=SLOTS, contiguous=True), requests)
-    probe = fused_pkg.session(slots=SLOTS, max_rows=SLOTS)  # its budget holds every slot: the other bytes
+def test_budget_pools_serve_like_the_contiguous_layout(small_pkg, requests, monkeypatch):
+    contiguous, _ = serve(small_pkg.session(slots=SLOTS, max_rows=SLOTS, contiguous=True), requests)
+    probe = small_pkg.session(slots=SLOTS, max_rows=SLOTS)  # its budget holds every slot: the other bytes
     one = sum(p.pages_per_slot * p.page_bytes for p in probe.pools.values())
     free = (probe.memory_budget["other_bytes"] + one * 5 // 4) / FRACTION  # one and a quarter max-length requests
     monkeypatch.setattr(session_module, "free_bytes", lambda device: int(free))
-    session = fused_pkg.session(slots=SLOTS, max_rows=SLOTS, memory_fraction=FRACTION)
+    session = small_pkg.session(slots=SLOTS, max_rows=SLOTS, memory_fraction=FRACTION)
     assert all(p.pages_per_slot < p.count < SLOTS * p.pages_per_slot // 4 for p in session.pools.values())
-    limit = fused_pkg.manifest.model.max_seq_len  # a max-length request is admitted, not refused
+    limit = small_pkg.manifest.model.max_seq_len  # a max-length request is admitted, not refused
     assert session.pages.never_fits(limit) is None and session.pages.can_reserve(0, 0, limit)
     tokens, stats = serve(session, requests)
     assert tokens == contiguous

@@ -15,7 +15,7 @@ REQUESTS, SLOTS = 32, 8  # each slot serves four requests in turn
 COUNTERS = ("rows", "padding_rows", "drafted", "accepted", "bonus", "prefill_tokens", "admitted", "retired",
             "slot_reuse", "generated")
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.6)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.4)]
 
 
 def greedy_alone(package, prompt, max_new_tokens):
@@ -25,7 +25,7 @@ def greedy_alone(package, prompt, max_new_tokens):
 
 
 @pytest.fixture(scope="module")
-def workload(fused_pkg):
+def workload(small_pkg):
     """32 requests with their greedy references; every fourth stops at a token its reference emits."""
     gen = torch.Generator().manual_seed(64)
     lengths = [1, 1, 129, 200] + torch.randint(1, 220, (REQUESTS - 4,), generator=gen).tolist()
@@ -33,7 +33,7 @@ def workload(fused_pkg):
     for i, length in enumerate(lengths):
         prompt = random_tokens(gen, length)
         max_new = int(torch.randint(1, 13, (1,), generator=gen))
-        want, gaps = greedy_alone(fused_pkg, prompt, max_new)
+        want, gaps = greedy_alone(small_pkg, prompt, max_new)
         stop = ()
         if i % 4 == 3:
             stop = (want[int(torch.randint(0, len(want), (1,), generator=gen))],)
@@ -62,9 +62,9 @@ def oracle_drafter(expected, seed=5):
 
 
 @pytest.mark.parametrize("drafting", ["oracle", "draft pass"])
-def test_32_requests_through_8_slots_decode_as_greedy_alone(fused_pkg, workload, drafting):
+def test_32_requests_through_8_slots_decode_as_greedy_alone(small_pkg, workload, drafting):
     requests, expected, margins = workload
-    session = fused_pkg.session(slots=SLOTS, max_rows=SLOTS)
+    session = small_pkg.session(slots=SLOTS, max_rows=SLOTS)
     assert {p: sorted(b) for p, b in session.buckets.items()} == {p: [1, 2, 4, 8] for p in session.buckets}
     engine = Engine(session, drafter=oracle_drafter(expected) if drafting == "oracle" else None)
     steps = []
@@ -96,7 +96,7 @@ def test_32_requests_through_8_slots_decode_as_greedy_alone(fused_pkg, workload,
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_reused_slot_decodes_like_a_fresh_one(fused_pkg, temperature):
+def test_a_reused_slot_decodes_like_a_fresh_one(small_pkg, temperature):
     """B takes the slot A leaves, in the step A finishes; it must not see any of A's state.
 
     A is long (past the window, several compressed entries, odd length so the ratio-2
@@ -106,13 +106,13 @@ def test_a_reused_slot_decodes_like_a_fresh_one(fused_pkg, temperature):
     gen = torch.Generator().manual_seed(21)
     a = Request(random_tokens(gen, 301), 10, seed=1, id="a")
     b = Request(random_tokens(gen, 51), 12, seed=2, id="b")
-    engine = Engine(fused_pkg.session(slots=1), temperature=temperature)
+    engine = Engine(small_pkg.session(slots=1), temperature=temperature)
     steps = []
     old, new = engine.generate([a, b], steps.append)
     assert old.slot == new.slot == 0 and engine.stats.slot_reuse == 1
     assert any(s.retired == 1 and s.admitted == 1 for s in steps)  # handed over within one step
 
-    fresh = Engine(fused_pkg.session(slots=1), temperature=temperature).generate([b])[0]
+    fresh = Engine(small_pkg.session(slots=1), temperature=temperature).generate([b])[0]
     assert new.tokens == fresh.tokens and len(new.tokens) == 12
     assert new.margins == fresh.margins
 
@@ -126,12 +126,12 @@ def poison_scratch_slot(session) -> None:
         row.fill_(0xFF) if cache.dtype == torch.uint8 else row.fill_(-1)
 
 
-def test_poisoning_the_scratch_slot_before_every_step_changes_nothing(fused_pkg):
+def test_poisoning_the_scratch_slot_before_every_step_changes_nothing(small_pkg):
     gen = torch.Generator().manual_seed(31)
     requests = [Request(random_tokens(gen, n), k) for n, k in ((3, 9), (140, 5), (1, 12), (70, 7), (20, 3))]
-    clean = Engine(fused_pkg.session(slots=5)).generate(requests)
+    clean = Engine(small_pkg.session(slots=5)).generate(requests)
 
-    session = fused_pkg.session(slots=5)
+    session = small_pkg.session(slots=5)
     engine = Engine(session)
     engine.submit(requests)
     while engine.busy:
@@ -145,26 +145,26 @@ def test_poisoning_the_scratch_slot_before_every_step_changes_nothing(fused_pkg)
         assert got.tokens == want.tokens and got.margins == want.margins
 
 
-def test_engine_generate_takes_prompts_and_requests(fused_pkg):
-    session = fused_pkg.session(slots=2)
+def test_engine_generate_takes_prompts_and_requests(small_pkg):
+    session = small_pkg.session(slots=2)
     states = Engine(session).generate([[5, 6, 7], Request([8], 3, id="x")])
     assert [s.id for s in states] == [0, "x"]
     assert len(states[0].tokens) == 32 and len(states[1].tokens) == 3
-    want, _ = greedy_alone(fused_pkg, [5, 6, 7], 32)
+    want, _ = greedy_alone(small_pkg, [5, 6, 7], 32)
     assert_same_tokens(states[0].tokens, want)
 
 
-def test_the_last_tokens_before_max_seq_len_decode_one_at_a_time(fused_pkg):
+def test_the_last_tokens_before_max_seq_len_decode_one_at_a_time(small_pkg):
     """Verify scores verify_width positions ahead, so near max_seq_len the engine decodes
     through prefill, one token per step, and a request may fill the context exactly.
 
     Checked by teacher forcing: one prefill of prompt + tokens gives the target's argmax
     at every position, and each emitted token must be it (or sit at a near tie).
     """
-    limit = fused_pkg.manifest.model.max_seq_len
+    limit = small_pkg.manifest.model.max_seq_len
     gen = torch.Generator().manual_seed(41)
     prompt, new = random_tokens(gen, limit - 14), 14
-    session = fused_pkg.session(slots=1)
+    session = small_pkg.session(slots=1)
     engine = Engine(session)
     calls, replay = [], session.replay
 
@@ -177,7 +177,7 @@ def test_the_last_tokens_before_max_seq_len_decode_one_at_a_time(fused_pkg):
     assert len(state.tokens) == new and state.length == limit - 1  # the last token is emitted, never committed
     assert ("prefill", [1]) in calls  # the tail went through prefill
 
-    reference = fused_pkg.session(slots=1)
+    reference = small_pkg.session(slots=1)
     sequence, argmax = prompt + state.tokens[:-1], []
     for start in range(0, len(sequence), 64):
         piece = sequence[start : start + 64]

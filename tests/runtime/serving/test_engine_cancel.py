@@ -10,8 +10,8 @@ from b12x_toolchain.runtime.serving.requests import Request
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_cancel_returns_slot_and_pages_and_the_others_go_on(fused_pkg):
-    engine = Engine(fused_pkg.session(slots=1))
+def test_cancel_returns_slot_and_pages_and_the_others_go_on(small_pkg):
+    engine = Engine(small_pkg.session(slots=1))
     running, waiting, alone = engine.submit([Request([1, 2, 3], 50, id="a"), Request([4, 5], 3, id="b"),
                                              Request([7, 8], 1, id="c")])
     engine.step()

@@ -11,7 +11,7 @@ says so: device="cpu". The *_like factories inherit their input's device and are
 counted.
 
 The engines cover greedy and sampled speculative decoding, drafts ended by the drafter's
-confidence (the tiny package's threshold is 0, so its manifest is given one above 0), and
+confidence (the small package's threshold is 0, so its manifest is given one above 0), and
 prefix-cache hits that adopt shared pages.
 """
 
@@ -122,9 +122,9 @@ def prefix_hits(package, calls):
 
 @pytest.mark.parametrize("serve", [greedy, sampled, confident_drafts, prefix_hits],
                          ids=["greedy", "sampled", "confident drafts", "prefix hits"])
-def test_every_tensor_an_engine_step_makes_names_its_device(fused_pkg, serve):
+def test_every_tensor_an_engine_step_makes_names_its_device(small_pkg, serve):
     calls = FactoryCalls()
-    serve(fused_pkg, calls)
+    serve(small_pkg, calls)
     assert calls.calls, "no tensor factory call from the serving path was seen: is the recorder active?"
     implicit = calls.sites(named=False)
     assert not implicit, "tensor factories called without device= (they land on the CPU):\n" + "\n".join(implicit)

@@ -54,18 +54,18 @@ def front_ends(path, flags: list[str], options: EngineOptions, engines: list[Eng
     return [engine.configuration() for engine in engines]
 
 
-def test_run_serve_and_the_loader_api_build_the_same_engine(fused_path, built):
-    run, serve, loader = front_ends(fused_path, FLAGS, SAME, built)
+def test_run_serve_and_the_loader_api_build_the_same_engine(small_path, built):
+    run, serve, loader = front_ends(small_path, FLAGS, SAME, built)
     assert run == serve == loader
     assert run["slots"] == 2 and run["temperature"] == 0.7 and run["top_p"] == 0.9 and run["seed"] == 5
     assert set(run["pages"].values()) == {40} and run["speculative"] and not run["adaptive"]
 
 
-def test_the_defaults_are_one_set_with_the_prefix_cache_on(fused_path, built):
-    run, serve, loader = front_ends(fused_path, [], EngineOptions(), built)
+def test_the_defaults_are_one_set_with_the_prefix_cache_on(small_path, built):
+    run, serve, loader = front_ends(small_path, [], EngineOptions(), built)
     assert run == serve == loader
     assert run["prefix_cache"] == {"enabled": True, "l1_bytes": 1 << 30, "l2_dir": None, "l2_bytes": 0}
-    assert run["slots"] == load(fused_path).passes["verify"].rows_buckets[-1]
+    assert run["slots"] == load(small_path).passes["verify"].rows_buckets[-1]
     assert run["speculative"] and run["adaptive"]  # drafting steps aside while it does not pay
 
 

@@ -33,8 +33,8 @@ def unchanged(session, before: dict) -> bool:
 
 
 @pytest.fixture
-def counted(fused_pkg):
-    return CountingSession(fused_pkg.session(slots=2))
+def counted(small_pkg):
+    return CountingSession(small_pkg.session(slots=2))
 
 
 GOOD = Request([1, 2, 3], 4)
@@ -80,8 +80,8 @@ def test_bad_engine_slots_are_refused(counted, slots, message):
     assert counted.replays == []
 
 
-def test_an_engine_uses_only_its_own_slots(fused_pkg):
-    session = fused_pkg.session(slots=3)
+def test_an_engine_uses_only_its_own_slots(small_pkg):
+    session = small_pkg.session(slots=3)
     states = Engine(session, slots=[2]).generate([Request([1, 2], 3), Request([3], 2)])
     assert [s.slot for s in states] == [2, 2]
     assert session.seq_lens[:2] == [0, 0]
@@ -101,8 +101,8 @@ def test_a_drafter_with_the_wrong_count_is_refused_before_verify(counted):
     ([-1], r"slot_ids: value -1 is out of range"),
     ([1, 1], r"slot_ids: \[1, 1\] repeats a slot; each row needs its own slot"),
 ])
-def test_bad_row_ids_are_refused_before_any_write(fused_pkg, pass_name, row_ids, message):
-    session = fused_pkg.session(slots=2)
+def test_bad_row_ids_are_refused_before_any_write(small_pkg, pass_name, row_ids, message):
+    session = small_pkg.session(slots=2)
     width = session.package.passes[pass_name].width
     values = dict(token_ids=[[1] * width] * len(row_ids), slot_ids=row_ids, positions=[0] * len(row_ids))
     if pass_name == "prefill":

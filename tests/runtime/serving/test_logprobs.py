@@ -33,11 +33,11 @@ def ranked(row: torch.Tensor, top: int) -> list[int]:
     return [i for _, i in sorted(zip((-values).tolist(), ids.tolist()))]
 
 
-def test_prompt_logprobs_equal_a_fresh_prefill_at_every_position(fused_pkg):
+def test_prompt_logprobs_equal_a_fresh_prefill_at_every_position(small_pkg):
     prompt = random_tokens(torch.Generator().manual_seed(4), 90)  # more than one 64-token chunk
-    (state,) = Engine(fused_pkg.session(slots=2)).generate(
+    (state,) = Engine(small_pkg.session(slots=2)).generate(
         [Request(prompt, 3, prompt_logprobs=TOP, logprobs=TOP)])
-    expected = fresh_logprobs(fused_pkg, prompt)
+    expected = fresh_logprobs(small_pkg, prompt)
     assert len(state.prompt_token_logprobs) == len(prompt) - 1
     for position, entry in enumerate(state.prompt_token_logprobs):
         row = expected[position]
@@ -45,16 +45,16 @@ def test_prompt_logprobs_equal_a_fresh_prefill_at_every_position(fused_pkg):
         assert [t for t, _ in entry.top] == ranked(row, TOP)
         assert all(abs(v - float(row[t])) < 1e-5 for t, v in entry.top)
     # Generated tokens: greedy picks the top alternative, and the numbers are a fresh prefill's.
-    whole = fresh_logprobs(fused_pkg, prompt + state.tokens[:-1])
+    whole = fresh_logprobs(small_pkg, prompt + state.tokens[:-1])
     assert len(state.token_logprobs) == len(state.tokens)
     for j, (token, entry) in enumerate(zip(state.tokens, state.token_logprobs)):
         assert entry.top[0][0] == token
         assert abs(entry.logprob - float(whole[len(prompt) - 1 + j][token])) < 1e-4, j
 
 
-def test_prompt_logprobs_prefill_every_position_even_on_a_prefix_hit(fused_pkg):
-    session = fused_pkg.session(slots=2)
-    engine = Engine(session, prefix_cache=PrefixCache(fused_pkg))
+def test_prompt_logprobs_prefill_every_position_even_on_a_prefix_hit(small_pkg):
+    session = small_pkg.session(slots=2)
+    engine = Engine(session, prefix_cache=PrefixCache(small_pkg))
     prompt = random_tokens(torch.Generator().manual_seed(5), 70)
     plain, again = engine.generate([Request(prompt, 2)]), engine.generate([Request(prompt, 2)])
     assert again[0].cached_tokens > 0 and plain[0].cached_tokens == 0
@@ -63,14 +63,14 @@ def test_prompt_logprobs_prefill_every_position_even_on_a_prefix_hit(fused_pkg):
     assert asked.tokens == plain[0].tokens
 
 
-def test_samples_of_one_prompt_prefill_it_once(fused_pkg):
+def test_samples_of_one_prompt_prefill_it_once(small_pkg):
     """n samples of a prompt: one prefill, the others restore its snapshot and share its pages;
     each draws as it would alone."""
-    session = fused_pkg.session(slots=4)
+    session = small_pkg.session(slots=4)
     prompt = random_tokens(torch.Generator().manual_seed(6), 70)
     samples = [Request(prompt, 4, id=j, seed=j, temperature=1.0) for j in range(4)]
     alone = [Engine(session).generate([Request(prompt, 4, seed=j, temperature=1.0)])[0].tokens for j in range(4)]
-    engine = Engine(session, prefix_cache=PrefixCache(fused_pkg))
+    engine = Engine(session, prefix_cache=PrefixCache(small_pkg))
     prefilled, replay = [], engine.executor._replay
 
     def counted(name, stats, **values):
@@ -84,8 +84,8 @@ def test_samples_of_one_prompt_prefill_it_once(fused_pkg):
     assert len(prefilled) == 2  # one row, two 64-token chunks
 
 
-def test_a_denormal_temperature_decodes_greedily_and_infinity_is_refused(fused_pkg):
-    session = fused_pkg.session(slots=2)
+def test_a_denormal_temperature_decodes_greedily_and_infinity_is_refused(small_pkg):
+    session = small_pkg.session(slots=2)
     prompt = [3, 1, 4, 1, 5, 9]
     greedy = Engine(session).generate([Request(prompt, 6)])[0]
     tiny = Engine(session).generate([Request(prompt, 6, temperature=5e-324, seed=1)])[0]
@@ -95,8 +95,8 @@ def test_a_denormal_temperature_decodes_greedily_and_infinity_is_refused(fused_p
             Engine(session).submit([Request(prompt, 2, temperature=bad)])
 
 
-def test_min_tokens_holds_off_a_stop_token(fused_pkg):
-    session = fused_pkg.session(slots=2)
+def test_min_tokens_holds_off_a_stop_token(small_pkg):
+    session = small_pkg.session(slots=2)
     prompt = [2, 7, 1, 8, 2, 8]
     free = Engine(session).generate([Request(prompt, 8)])[0]
     stop = (free.tokens[0],)
@@ -106,10 +106,10 @@ def test_min_tokens_holds_off_a_stop_token(fused_pkg):
     assert held.finish_reason == ("stop" if stop[0] in free.tokens[4:] else "length")
 
 
-def test_a_request_whose_sampling_fails_ends_alone(fused_pkg, monkeypatch):
+def test_a_request_whose_sampling_fails_ends_alone(small_pkg, monkeypatch):
     """An error choosing one request's tokens fails that request; its neighbours decode as they
     would alone, and the engine goes on serving."""
-    session = fused_pkg.session(slots=4)
+    session = small_pkg.session(slots=4)
     others = [Request([3, 1, 4, 1, 5], 6, id="greedy"), Request([2, 7, 1, 8], 6, id="sampled", seed=3, temperature=1.0)]
     alone = [Engine(session).generate([r])[0].tokens for r in others]
     fail_sampling_at(monkeypatch)

@@ -17,7 +17,7 @@ from b12x_toolchain.runtime.serving.engine import Engine
 from b12x_toolchain.runtime.serving.requests import Request
 from conftest import random_tokens
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.5)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(minutes=0.3)]
 
 REQUESTS, SLOTS = 32, 8  # four requests a slot: every slot changes hands, in every order
 TIGHT_PAGES = 24  # per pool: about three requests' worth of the longest prompts, for 8 slots
@@ -50,9 +50,9 @@ def serve(package, requests, temperature, poison_free_pages=False, **pages):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_paged_serving_is_token_identical_to_the_contiguous_layout(fused_pkg, requests, temperature):
-    contiguous, base_stats, _, _ = serve(fused_pkg, requests, temperature, contiguous=True)
-    paged, stats, peak, session = serve(fused_pkg, requests, temperature, poison_free_pages=True, pages=TIGHT_PAGES)
+def test_paged_serving_is_token_identical_to_the_contiguous_layout(small_pkg, requests, temperature):
+    contiguous, base_stats, _, _ = serve(small_pkg, requests, temperature, contiguous=True)
+    paged, stats, peak, session = serve(small_pkg, requests, temperature, poison_free_pages=True, pages=TIGHT_PAGES)
     assert paged == contiguous
     assert stats["page_waits"] > 0  # the pool was tight: requests waited for pages
     assert stats["slot_reuse"] == base_stats["slot_reuse"] == REQUESTS - SLOTS
@@ -61,8 +61,8 @@ def test_paged_serving_is_token_identical_to_the_contiguous_layout(fused_pkg, re
     assert all(p["in_use"] == 0 and p["reserved"] == 0 for p in pools.values())  # every page came back
 
 
-def test_a_request_that_can_never_fit_is_refused_before_anything_runs(fused_pkg):
-    session = fused_pkg.session(slots=2, pages=4)  # 4 pages of 32 index-key tokens: 128 tokens at most
+def test_a_request_that_can_never_fit_is_refused_before_anything_runs(small_pkg):
+    session = small_pkg.session(slots=2, pages=4)  # 4 pages of 32 index-key tokens: 128 tokens at most
     engine = Engine(session)
     ok = Request(list(range(1, 60)), 4, id="fits")
     with pytest.raises(ValueError, match=r"request 'too long' can never fit this session: .* pages of pool "
@@ -73,8 +73,8 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs(fused_pkg)
     assert engine.generate([ok])[0].done
 
 
-def test_a_replay_without_pages_raises_before_writing(fused_pkg):
-    session = fused_pkg.session(slots=2, pages=2)
+def test_a_replay_without_pages_raises_before_writing(small_pkg):
+    session = small_pkg.session(slots=2, pages=2)
     before = {n: t.clone() for n, t in session.caches.items()}
     with pytest.raises(PagesExhausted, match=r"pass prefill: 4 more pages of pool index_key_pages are needed"):
         session.replay("prefill", token_ids=[[1] * 64] * 2, slot_ids=[0, 1], positions=[0, 0], new_tokens=[64, 64])

@@ -14,8 +14,8 @@ GREEDY = Request([3, 1, 4, 1, 5], 6, id="greedy")
 SAMPLED = Request([2, 7, 1, 8], 6, id="sampled", seed=5, temperature=1.0, top_p=0.9)
 
 
-def test_requests_sample_with_their_own_settings(fused_pkg):
-    session = fused_pkg.session(slots=2)
+def test_requests_sample_with_their_own_settings(small_pkg):
+    session = small_pkg.session(slots=2)
     together = Engine(session).generate([GREEDY, SAMPLED])
     assert together[0].tokens == Engine(session).generate([GREEDY])[0].tokens
     assert together[1].tokens == Engine(session).generate([SAMPLED])[0].tokens

@@ -18,15 +18,15 @@ def _prompts(seed=11):
 
 
 @pytest.fixture(scope="module")
-def greedy(fused_pkg):
-    decoder = Decoder(fused_pkg.session(slots=3, max_rows=4))
+def greedy(small_pkg):
+    decoder = Decoder(small_pkg.session(slots=3, max_rows=4))
     tokens = decoder.generate(_prompts(), 48, speculative=False)
     return tokens
 
 
-def test_draft_pass_speculation_equals_greedy(fused_pkg, greedy):
+def test_draft_pass_speculation_equals_greedy(small_pkg, greedy):
     want = greedy
-    decoder = Decoder(fused_pkg.session(slots=3, max_rows=4))
+    decoder = Decoder(small_pkg.session(slots=3, max_rows=4))
     got = decoder.generate(_prompts(), 48)
     for slot in range(3):
         assert_same_tokens(got[slot], want[slot], f"request {slot}")
@@ -34,7 +34,7 @@ def test_draft_pass_speculation_equals_greedy(fused_pkg, greedy):
     assert stats["drafted"] >= 7 * stats["steps"]  # every step drafted a full block per row
 
 
-def test_accepted_drafts_commit_correctly(fused_pkg, greedy):
+def test_accepted_drafts_commit_correctly(small_pkg, greedy):
     """A drafter that is right for a random number of tokens makes verify accept 0..7 drafts
     per step, so multi-row commits feed later steps; the output must still be greedy's."""
     want = greedy
@@ -52,7 +52,7 @@ def test_accepted_drafts_commit_correctly(fused_pkg, greedy):
             accepted_counts.add(min(right, len(truth)))
         return out
 
-    decoder = Decoder(fused_pkg.session(slots=3, max_rows=4), drafter=drafter)
+    decoder = Decoder(small_pkg.session(slots=3, max_rows=4), drafter=drafter)
     got = decoder.generate(_prompts(), 48)
     for slot in range(3):
         assert_same_tokens(got[slot], want[slot], f"request {slot}")

@@ -43,11 +43,11 @@ def _engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "b12x-engine-loop"]
 
 
-def test_every_bucket_is_captured_on_the_thread_that_replays_it(fused_path):
+def test_every_bucket_is_captured_on_the_thread_that_replays_it(small_path):
     capture = ThreadCapture()
-    server = start_server(fused_path, slots=1, capture=capture)
+    server = start_server(small_path, slots=1, capture=capture)
     try:
-        done = client(server).completions.create(model="dsv41-tiny", prompt=[3, 1, 4, 1, 5], max_tokens=3)
+        done = client(server).completions.create(model="dsv41-small", prompt=[3, 1, 4, 1, 5], max_tokens=3)
         assert len(done.choices[0].token_ids) == 3
     finally:
         server.shutdown()
@@ -57,10 +57,10 @@ def test_every_bucket_is_captured_on_the_thread_that_replays_it(fused_path):
     assert loop is not threading.current_thread() and server.service.session.graphs.captures
 
 
-def test_a_session_that_cannot_open_raises_from_service_and_leaves_no_engine_thread(fused_path):
+def test_a_session_that_cannot_open_raises_from_service_and_leaves_no_engine_thread(small_path):
     before = _engine_threads()
     with pytest.raises(DeviceError, match=r"^device cuda:7: "):
-        Service(serve_options(fused_path, device="cuda:7"))
+        Service(serve_options(small_path, device="cuda:7"))
     with pytest.raises(ValueError, match=r"^slots must be at least 1, got -1$"):  # the session's, on the loop thread
-        Service(serve_options(fused_path, slots=-1))
+        Service(serve_options(small_path, slots=-1))
     assert _engine_threads() == before

@@ -6,7 +6,7 @@ some sent in chunks, plus wrong methods and unknown paths.
 Whatever arrives, the server answers without a 5xx, every refusal is an OpenAI error body,
 the connection stays open (the next requests go out on the same socket), the engine keeps
 running (/health is ok) and a small valid completion right after is answered. Two servers:
-the suite's tiny package (no tokenizer) and the shipped model (its text routes work).
+the suite's small package (no tokenizer) and the shipped model (its text routes work).
 Everything goes over one keep-alive connection per server, one request at a time.
 """
 
@@ -471,8 +471,8 @@ def shipped(shipped_path):
 
 
 @pytest.fixture(scope="module")
-def tiny(fused_path):
-    yield from live_server(fused_path)
+def small(small_path):
+    yield from live_server(small_path)
 
 
 def fuzz(live: Live, calls: st.SearchStrategy, examples: int, explicit: tuple[Call, ...] = ()) -> None:
@@ -517,20 +517,20 @@ def test_fuzz_the_shipped_model(shipped, how):
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_fuzz_the_package_without_a_tokenizer(tiny, how):
+def test_fuzz_the_package_without_a_tokenizer(small, how):
     """Token-id completions go through the engine; the other routes refuse (no tokenizer): a
     glance at them is enough."""
-    for path, method, schema in tiny.routes():
+    for path, method, schema in small.routes():
         if schema is None or (path != "/v1/completions" and how not in ("valid", "wrong_type")):
             continue
         explicit = (base_call(path),) if how == "valid" else ()
-        fuzz(tiny, body_calls(tiny, path, schema, how), EXAMPLES.get(how, 2) if path == "/v1/completions" else 1,
+        fuzz(small, body_calls(small, path, schema, how), EXAMPLES.get(how, 2) if path == "/v1/completions" else 1,
              explicit)
     if how == "valid":
-        assert tiny.tally[("/v1/completions", how)][200], dict(tiny.tally[("/v1/completions", how)])
+        assert small.tally[("/v1/completions", how)][200], dict(small.tally[("/v1/completions", how)])
 
 
-@pytest.mark.parametrize(("which", "examples"), [("shipped", 3), ("tiny", 2)])
+@pytest.mark.parametrize(("which", "examples"), [("shipped", 3), ("small", 2)])
 def test_fuzz_routes_without_a_body(which, examples, request):
     """GET routes with and without a query string, other methods on them, and unknown paths."""
     live = request.getfixturevalue(which)

@@ -1,6 +1,6 @@
 """`b12x serve` end to end: a real uvicorn server on a loopback port, driven by the official client.
 
-One server serves the whole module (the package is the suite's shared dsv41-tiny export);
+One server serves the whole module (the package is the suite's shared dsv41-small export);
 the last test restarts it on the same L2 directory.
 """
 
@@ -21,7 +21,7 @@ from conftest import random_tokens
 from http_serving import client, metric, pages_in_use, scrape, start_server
 from same_tokens import assert_same_tokens
 
-MODEL = "dsv41-tiny"
+MODEL = "dsv41-small"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -31,8 +31,8 @@ def l2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(fused_path, l2_dir):
-    server = start_server(fused_path, prefix_cache_dir=str(l2_dir))
+def server(small_path, l2_dir):
+    server = start_server(small_path, prefix_cache_dir=str(l2_dir))
     yield server
     server.shutdown()
 
@@ -60,13 +60,13 @@ def test_completion_by_token_ids(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
-def test_streams_match_the_engine_offline(server, fused_pkg):
+def test_streams_match_the_engine_offline(server, small_pkg):
     """16 concurrent greedy streams give the tokens the engine gives the same requests offline."""
     requests = [Request(p, max_new_tokens=4, id=i) for i, p in enumerate(prompts(16, seed=16))]
     api = client(server)
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda r: stream_ids(api, list(r.prompt), r.max_new_tokens), requests))
-    session = fused_pkg.session(slots=server.service.session.slots, passes=("prefill", "verify", "commit", "draft"))
+    session = small_pkg.session(slots=server.service.session.slots, passes=("prefill", "verify", "commit", "draft"))
     offline = Engine(session).generate(requests)
     for request, tokens, state in zip(requests, got, offline):
         assert_same_tokens(tokens, state.tokens, f"request {request.id}")
@@ -257,7 +257,7 @@ def test_text_prompts_chat_and_stop_strings(server, with_text):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
 
 
-def test_restart_hits_the_l2_prefix_cache(server, fused_path, l2_dir):
+def test_restart_hits_the_l2_prefix_cache(server, small_path, l2_dir):
     """Shutting down writes the L2 cache out; a new server on the same directory hits it. Runs last:
     it stops the module's server."""
     prompt = prompts(1, seed=21)[0]
@@ -266,7 +266,7 @@ def test_restart_hits_the_l2_prefix_cache(server, fused_path, l2_dir):
     server.shutdown()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health")
-    again = start_server(fused_path, prefix_cache_dir=str(l2_dir))
+    again = start_server(small_path, prefix_cache_dir=str(l2_dir))
     try:
         usage = client(again).completions.create(model=MODEL, prompt=prompt, max_tokens=2).usage
         assert usage.prompt_tokens_details.cached_tokens == len(prompt)
