@@ -70,45 +70,47 @@ def test_a_part_that_raises_is_a_failed_check_and_the_next_part_still_runs():
         ("export_step raised", False, "RuntimeError: no kernel for cuda"), ("next", True, "cuda")]
 
 
-def test_packages_exported_elsewhere_are_the_ones_qualified(fused_path, unfused_path, tmp_path):
+def test_packages_exported_elsewhere_are_the_ones_qualified(small_path, small_unfused_path, tmp_path):
     import shutil
 
     from benchmarks import gpu_check
 
-    for kind, path in (("fused", fused_path), ("unfused", unfused_path)):
+    # tiny_packages loads whichever pair the folder holds: the suite's small one stands in for the tiny recipe's.
+    for kind, path in (("fused", small_path), ("unfused", small_unfused_path)):
         shutil.copytree(path, tmp_path / kind / path.name)
     fused, unfused = gpu_check.tiny_packages(tmp_path)
-    assert (fused.path, unfused.path) == (tmp_path / "fused" / fused_path.name, tmp_path / "unfused" / unfused_path.name)
+    assert (fused.path, unfused.path) == (tmp_path / "fused" / small_path.name,
+                                          tmp_path / "unfused" / small_unfused_path.name)
     manifest = lambda path: (path / "manifest.json").read_bytes()
-    assert manifest(fused.path) == manifest(fused_path) != manifest(unfused.path) == manifest(unfused_path)
+    assert manifest(fused.path) == manifest(small_path) != manifest(unfused.path) == manifest(small_unfused_path)
     shutil.rmtree(tmp_path / "unfused")
     with pytest.raises(FileNotFoundError, match="unfused: expected one exported .b12x package, found 0"):
         gpu_check.tiny_packages(tmp_path)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_the_cpu_side_of_cuda_vs_cpu_reads_the_device_sessions_pages(fused_pkg, monkeypatch):
+def test_the_cpu_side_of_cuda_vs_cpu_reads_the_device_sessions_pages(small_pkg, monkeypatch):
     """Given the device session's cache bytes, the CPU session must also hold its page tables:
     with its own (empty) tables it hands the slots fresh pages and reads other slots' entries.
     On the CPU dry run both sides are one device, so everything must agree to the bit."""
     from benchmarks import gpu_check
 
-    session = gpu_check.open_session(fused_pkg, "cpu")
+    session = gpu_check.open_session(small_pkg, "cpu")
     gpu_check.RESULTS.clear()
-    gpu_check.cuda_vs_cpu(session, fused_pkg)
+    gpu_check.cuda_vs_cpu(session, small_pkg)
     assert [(c.name, c.ok) for c in gpu_check.RESULTS] == [("CPU = CPU history snapshot", True),
                                                            ("CPU vs CPU appended rows", True)]
     monkeypatch.setattr(gpu_check, "mirror_pages", lambda source, target: None)  # the bug this fixed
     gpu_check.RESULTS.clear()
-    gpu_check.cuda_vs_cpu(session, fused_pkg)
+    gpu_check.cuda_vs_cpu(session, small_pkg)
     assert gpu_check.RESULTS[1].ok is False, gpu_check.RESULTS[1].detail
 
 
-def test_packages_given_are_loaded_without_importing_the_exporter(fused_path, unfused_path, tmp_path):
+def test_packages_given_are_loaded_without_importing_the_exporter(small_path, small_unfused_path, tmp_path):
     """A GPU machine's torch may be one that cannot export: --packages must need the runtime alone."""
     import shutil
 
-    for kind, path in (("fused", fused_path), ("unfused", unfused_path)):
+    for kind, path in (("fused", small_path), ("unfused", small_unfused_path)):
         shutil.copytree(path, tmp_path / kind / path.name)
     code = ("import sys; from pathlib import Path; from benchmarks import gpu_check; "
             f"gpu_check.tiny_packages(Path({str(tmp_path)!r})); "

@@ -24,12 +24,14 @@ CHECK_ROWS = {"kernel bytes w8 r3 d64", "row ops dsv41_mxfp8 d64", "mhc hc_sinkh
 
 
 @pytest.fixture(scope="module")
-def qualified(shipped_path, fused_path, unfused_path, tmp_path_factory):
-    """OUT after prepare and run, and run's process."""
+def qualified(shipped_path, small_path, small_unfused_path, tmp_path_factory):
+    """OUT after prepare and run, and run's process. The suite's small pair goes in as the
+    tiny packages: the script copies them into OUT/packages/tiny, and gpu_check.py --packages
+    qualifies whichever fused and unfused pair it finds there."""
     out = tmp_path_factory.mktemp("qualify")
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     prepare = subprocess.run(["bash", str(SCRIPT), "prepare", str(out), "--no-wheels", "--quick", "--mini", str(shipped_path),
-                              "--tiny-fused", str(fused_path), "--tiny-unfused", str(unfused_path)],
+                              "--tiny-fused", str(small_path), "--tiny-unfused", str(small_unfused_path)],
                              env=env, capture_output=True, text=True, timeout=300)
     assert prepare.returncode == 0, prepare.stderr[-3000:]
     run = subprocess.run(["bash", str(SCRIPT), "run", str(out), "--device", "cpu", "--quick"],
@@ -79,11 +81,12 @@ def test_the_checkout_is_imported_through_the_mapped_import_root(qualified):
     assert (out / "src" / "b12x_toolchain" / "runtime").resolve() == ROOT / "runtime"
 
 
-def test_the_tiny_packages_weights_travel_once(qualified, fused_path):
+def test_the_tiny_packages_weights_travel_once(qualified, small_path):
+    """The packages in OUT/packages/tiny (here the small pair) carry their shared weights once."""
     out = qualified[0]
     assert (out / "packages" / "tiny" / "unfused" / "WEIGHTS_ARE_FUSED").exists()
-    restored = out / "packages" / "tiny" / "unfused" / fused_path.name / "weights.safetensors"
-    assert restored.read_bytes() == (fused_path / "weights.safetensors").read_bytes()
+    restored = out / "packages" / "tiny" / "unfused" / small_path.name / "weights.safetensors"
+    assert restored.read_bytes() == (small_path / "weights.safetensors").read_bytes()
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -2,8 +2,9 @@
 
 The real benchmarks run dsv41-tiny exported at max_seq_len 1M and 256k (context_scaling's
 variants); here the byte accounting runs on recipes' cache specs (no export) and the
-serving and prefix-hit paths on the suite's tiny package (max_seq_len 1k, loaded once per
-run and shared), with a few short requests and prefixes.
+serving and prefix-hit paths on the suite's small package (the tiny recipe cut to a
+window-only and a ratio-2 layer, max_seq_len 1k, loaded once per run and shared), with a
+few short requests and prefixes.
 Nothing here asserts a speed.
 """
 
@@ -106,8 +107,8 @@ def test_pages_wanted_and_request_set():
     assert pm.pages_wanted({"p": pool}, [pm.Request([0] * 1020, 3)], 8, 1024) == {"p": 16}  # capped
 
 
-def test_serving_rows_on_the_tiny_package(fused_pkg):
-    package = fused_pkg
+def test_serving_rows_on_the_small_package(small_pkg):
+    package = small_pkg
     requests = pm.request_set(package.vocab_size, count=6, lengths=(20, 80), new_tokens=2)
     result = pm.serve(package, requests, slots=4)
     # The pools hold every request's pages at once: the last two wait for a slot, never for pages.
@@ -125,8 +126,8 @@ def test_serving_rows_on_the_tiny_package(fused_pkg):
     assert table(rows).row_count == 4
 
 
-def test_prefix_hit_rows_on_the_tiny_package(fused_pkg, monkeypatch):
-    package = fused_pkg
+def test_prefix_hit_rows_on_the_small_package(small_pkg, monkeypatch):
+    package = small_pkg
     # Each timed pair starts with a full collection, a quarter of a second in a test process
     # holding the suite's packages: seven pairs would be most of this test.
     monkeypatch.setattr(registry.gc, "collect", lambda *args: 0)

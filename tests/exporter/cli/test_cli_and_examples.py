@@ -11,17 +11,17 @@ from b12x_toolchain.exporter.cli.main import main
 from paths import ROOT
 
 
-def test_inspect_shows_passes_abi_rewrites_and_files(fused_path, fused_pkg):
-    result = CliRunner().invoke(main, ["inspect", str(fused_path)], terminal_width=200)
+def test_inspect_shows_passes_abi_rewrites_and_files(small_path, small_pkg):
+    result = CliRunner().invoke(main, ["inspect", str(small_path)], terminal_width=200)
     assert result.exit_code == 0, result.output
-    assert fused_pkg.abi_fingerprint in result.output
+    assert small_pkg.abi_fingerprint in result.output
     for text in ("pass verify: width 8", "pass draft: width 7", "staging.verify.layer0.window",
                  "fuse_window_snapshot", "graphs/verify.pt2", "weights.safetensors"):
         assert text in result.output
 
 
-def test_run_generates_tokens(fused_path):
-    result = CliRunner().invoke(main, ["run", str(fused_path), "--prompt-ids", "1,2,3", "--max-new-tokens", "9"],
+def test_run_generates_tokens(small_path):
+    result = CliRunner().invoke(main, ["run", str(small_path), "--prompt-ids", "1,2,3", "--max-new-tokens", "9"],
                                 terminal_width=200)
     assert result.exit_code == 0, result.output
     tokens = result.output.split("tokens: ")[1].splitlines()[0].split()
@@ -29,10 +29,10 @@ def test_run_generates_tokens(fused_path):
     assert "acceptance_rate" in result.output
 
 
-def test_run_refuses_bad_prompt_ids(fused_path):
-    result = CliRunner().invoke(main, ["run", str(fused_path), "--prompt-ids", "1,x"])
+def test_run_refuses_bad_prompt_ids(small_path):
+    result = CliRunner().invoke(main, ["run", str(small_path), "--prompt-ids", "1,x"])
     assert result.exit_code != 0 and "not a list of integer token ids" in result.output
-    result = CliRunner().invoke(main, ["run", str(fused_path), "--prompt-ids", "99999"])
+    result = CliRunner().invoke(main, ["run", str(small_path), "--prompt-ids", "99999"])
     assert result.exit_code == 1 and "tokens: value 99999 is out of range" in result.output
 
 
@@ -59,8 +59,8 @@ def test_export_prints_the_rewrite_table(small_recipe, tmp_path):
     assert (tmp_path / "dsv41-small.b12x" / "manifest.json").is_file()
 
 
-def test_example_runtime_loader_runs(fused_path):
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "runtime_loader.py"), str(fused_path)],
+def test_example_runtime_loader_runs(small_path):
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "runtime_loader.py"), str(small_path)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "prompt of 139 tokens" in result.stdout and "stats:" in result.stdout

@@ -31,26 +31,26 @@ def one_error_line(result) -> str:
     ("mps", "sessions run on cpu or cuda, not mps"),
     ("gpu", "not a device torch can read; expected cpu, cuda or cuda:N"),
 ])
-def test_run_refuses_a_device_it_cannot_use_in_one_line(fused_path, device, reason):
-    line = one_error_line(invoke("run", fused_path, "--prompt-ids", "1,2,3", "--device", device))
+def test_run_refuses_a_device_it_cannot_use_in_one_line(small_path, device, reason):
+    line = one_error_line(invoke("run", small_path, "--prompt-ids", "1,2,3", "--device", device))
     assert line.startswith(f"error: device {device}: {reason}")
 
 
-def test_run_on_cpu_is_the_default(fused_path):
+def test_run_on_cpu_is_the_default(small_path):
     """The default's output is test_cli_run's; here: cpu is it, and naming it runs as before."""
     help_text = " ".join(invoke("run", "--help").output.split())
     assert "--device TEXT torch device of the session: cpu, cuda (the current CUDA device) or cuda:N" in help_text
     assert "[default: cpu]" in help_text.split("--device TEXT")[1].split("--prefix-cache-dir")[0]
-    result = invoke("run", fused_path, "--prompt-ids", "1,2,3", "--max-new-tokens", 2, "--greedy", "--device", "cpu")
+    result = invoke("run", small_path, "--prompt-ids", "1,2,3", "--max-new-tokens", 2, "--greedy", "--device", "cpu")
     assert result.exit_code == 0, result.output
     assert [len(line.split()) for line in result.output.splitlines() if line.startswith("request 0 tokens: ")] == [5]
 
 
-def test_serve_refuses_a_device_it_cannot_use_before_binding_a_port(fused_path, monkeypatch):
+def test_serve_refuses_a_device_it_cannot_use_before_binding_a_port(small_path, monkeypatch):
     from b12x_toolchain.runtime.serving.http import server
 
     bound = []
     monkeypatch.setattr(server, "bind", lambda *args: bound.append(args))
     monkeypatch.setattr(server.Server, "__init__", lambda self, *args: bound.append(args))
-    line = one_error_line(invoke("serve", fused_path, "--device", UNUSABLE, "--port", 0))
+    line = one_error_line(invoke("serve", small_path, "--device", UNUSABLE, "--port", 0))
     assert line.startswith(f"error: device {UNUSABLE}: torch ") and bound == []

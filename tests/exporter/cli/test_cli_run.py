@@ -36,11 +36,11 @@ def table_value(output: str, key: str) -> str:
     return row.split("│")[2].strip()
 
 
-def test_run_serves_prompt_files_with_per_request_limits(fused_pkg, fused_path, tmp_path):
+def test_run_serves_prompt_files_with_per_request_limits(small_pkg, small_path, tmp_path):
     gen = torch.Generator().manual_seed(8)
     long_prompt, short = random_tokens(gen, 150), random_tokens(gen, 4)
     # Where the long request stops: the second token it emits without a stop token.
-    alone = Engine(fused_pkg.session(slots=1)).generate([Request(long_prompt, 6)])[0].tokens
+    alone = Engine(small_pkg.session(slots=1)).generate([Request(long_prompt, 6)])[0].tokens
     lines = [
         json.dumps({"prompt": short, "max_new_tokens": 5, "id": "short"}),
         "# comments and blank lines are skipped",
@@ -52,7 +52,7 @@ def test_run_serves_prompt_files_with_per_request_limits(fused_pkg, fused_path, 
     prompts.write_text("\n".join(lines) + "\n")
     ids = tmp_path / "ids.txt"
     ids.write_text("4 5 6 7\n8,9\n")
-    result = invoke(fused_path, "--prompt-ids", "1,2,3", "--prompts", prompts, "--prompts", ids,
+    result = invoke(small_path, "--prompt-ids", "1,2,3", "--prompts", prompts, "--prompts", ids,
                     "--max-new-tokens", 7, "--slots", 2, "--show-steps")
     assert result.exit_code == 0, result.output
 
@@ -61,7 +61,7 @@ def test_run_serves_prompt_files_with_per_request_limits(fused_pkg, fused_path, 
     requests = [Request([1, 2, 3], 7), Request(short, 5, id="short"), Request([9, 10, 11], 7),
                 Request(long_prompt, 6, stop=(alone[1],), id="long"), Request([4, 5, 6, 7], 7), Request([8, 9], 7)]
     # The same requests through the Python API, batched the same way, give the very same tokens.
-    want = Engine(fused_pkg.session(slots=2)).generate(requests)
+    want = Engine(small_pkg.session(slots=2)).generate(requests)
     assert got == {str(s.id): s.tokens for s in want}
     assert got["long"] == alone[: alone.index(alone[1]) + 1] and len(got["short"]) == 5
 
@@ -74,8 +74,8 @@ def test_run_serves_prompt_files_with_per_request_limits(fused_pkg, fused_path, 
     assert "stop" in result.output and "length" in result.output
 
 
-def test_run_sampling_is_seeded(fused_pkg, fused_path):
-    result = invoke(fused_path, "--prompt-ids", "1,2,3", "--prompt-ids", "4", "--max-new-tokens", 6,
+def test_run_sampling_is_seeded(small_pkg, small_path):
+    result = invoke(small_path, "--prompt-ids", "1,2,3", "--prompt-ids", "4", "--max-new-tokens", 6,
                     "--temperature", 0.8, "--seed", 3, "--pages", 5)
     assert result.exit_code == 0, result.output
     assert "speculative sampling" in result.output
@@ -85,7 +85,7 @@ def test_run_sampling_is_seeded(fused_pkg, fused_path):
     # 5 pages each; at the end only the prefix cache's snapshots (on by default) hold any.
     assert all(row[0] == "5" and int(row[1]) + int(row[2]) == 5 for row in pools.values())
     # The seed reaches the engine: the Python API with the same seed draws the same tokens.
-    want = Engine(fused_pkg.session(slots=2), temperature=0.8, seed=3).generate([Request([1, 2, 3], 6), Request([4], 6)])
+    want = Engine(small_pkg.session(slots=2), temperature=0.8, seed=3).generate([Request([1, 2, 3], 6), Request([4], 6)])
     assert tokens_by_request(result.output) == {"0": want[0].tokens, "1": want[1].tokens}
 
 
@@ -98,24 +98,24 @@ def test_run_sampling_is_seeded(fused_pkg, fused_path):
     ('{"prompt": [1], "max_tokens": 3}', 2, "p.jsonl:1: unknown key 'max_tokens'"),
     ("1 2 x", 2, "p.jsonl:1: '1 2 x' is not a list of integer token ids"),
 ])
-def test_run_refuses_bad_prompt_lines(fused_path, tmp_path, line, code, message):
+def test_run_refuses_bad_prompt_lines(small_path, tmp_path, line, code, message):
     path = tmp_path / "p.jsonl"
     path.write_text(line + "\n")
-    result = invoke(fused_path, "--prompts", path)
+    result = invoke(small_path, "--prompts", path)
     assert result.exit_code == code and message in result.output, result.output
     assert " tokens: " not in result.output
 
 
-def test_run_refuses_contradictory_options(fused_path):
-    assert "give at least one prompt" in invoke(fused_path).output
-    result = invoke(fused_path, "--prompt-ids", "1", "--greedy", "--temperature", 0.5)
+def test_run_refuses_contradictory_options(small_path):
+    assert "give at least one prompt" in invoke(small_path).output
+    result = invoke(small_path, "--prompt-ids", "1", "--greedy", "--temperature", 0.5)
     assert result.exit_code == 2 and "cannot be combined with --temperature" in result.output
-    result = invoke(fused_path, "--prompt-ids", "1", "--pages", 4, "--cache-bytes", 1000)
+    result = invoke(small_path, "--prompt-ids", "1", "--pages", 4, "--cache-bytes", 1000)
     assert result.exit_code == 2 and "--pages (4) and --cache-bytes (1000) both size the paged caches" in result.output
 
 
-def test_run_refuses_a_request_that_can_never_fit(fused_path):
-    result = invoke(fused_path, "--prompt-ids", ",".join(["7"] * 100), "--pages", 2)
+def test_run_refuses_a_request_that_can_never_fit(small_path):
+    result = invoke(small_path, "--prompt-ids", ",".join(["7"] * 100), "--pages", 2)
     assert result.exit_code == 1 and "request 0 can never fit this session" in result.output, result.output
     assert "Traceback" not in result.output and " tokens: " not in result.output
 

@@ -19,19 +19,19 @@ from b12x_toolchain.exporter.cli.main import main
 URL = re.compile(r"at (http://\S+)/v1")
 
 
-def test_bad_options_fail_cleanly(tmp_path, fused_path):
+def test_bad_options_fail_cleanly(tmp_path, small_path):
     result = CliRunner().invoke(main, ["serve", str(tmp_path / "missing.b12x")])
     assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
-    result = CliRunner().invoke(main, ["serve", str(fused_path), "--pages", "4", "--cache-bytes", "4096"])
+    result = CliRunner().invoke(main, ["serve", str(small_path), "--pages", "4", "--cache-bytes", "4096"])
     assert result.exit_code == 2 and "--pages (4) and --cache-bytes (4096) both size the paged caches; give one of them" in result.output
     result = CliRunner().invoke(main, ["serve", str(tmp_path)])  # a folder that is no package
     assert result.exit_code == 1 and result.output.startswith("error: ") and "Traceback" not in result.output
 
 
-def test_sigterm_drains_and_writes_the_l2_cache(tmp_path, fused_path):
+def test_sigterm_drains_and_writes_the_l2_cache(tmp_path, small_path):
     l2 = tmp_path / "l2"
     env = dict(os.environ, OMP_NUM_THREADS="1", B12X_API_KEY="k")
-    process = subprocess.Popen([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "serve", str(fused_path),
+    process = subprocess.Popen([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "serve", str(small_path),
                                 "--port", "0", "--prefix-cache-dir", str(l2), "--grace-seconds", "60"],
                                env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -57,11 +57,11 @@ def test_sigterm_drains_and_writes_the_l2_cache(tmp_path, fused_path):
         process.stderr.close()
 
 
-def test_serve_with_no_engine_flags_restores_a_repeated_prompt(fused_path):
+def test_serve_with_no_engine_flags_restores_a_repeated_prompt(small_path):
     # The prefix cache is on by default, as in `b12x run` and the loader API: the second time a
     # prompt comes, its prefill is restored from the first one's snapshot.
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    process = subprocess.Popen([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "serve", str(fused_path),
+    process = subprocess.Popen([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "serve", str(small_path),
                                 "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = URL.search(process.stderr.readline()).group(1)

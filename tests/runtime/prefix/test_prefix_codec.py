@@ -1,4 +1,8 @@
-"""Snapshot codec: a hydrated slot continues bit for bit like the slot it was taken from."""
+"""Snapshot codec: a hydrated slot continues bit for bit like the slot it was taken from.
+
+On the suite's small package (a window-only and a ratio-2 layer, one draft stage), which has
+every cache kind; test_codec_by_kind covers the tiny recipe's whole layout (ratio-1 layers,
+an entry pool shared by two ratios) at the codec's level."""
 
 from __future__ import annotations
 
@@ -28,31 +32,32 @@ LENGTHS = (101, 128, 301)
 
 
 @pytest.fixture(scope="module")
-def session(fused_pkg):
-    return fused_pkg.session(slots=4, max_rows=1)  # slots 0..3; the 5th is the scratch slot
+def session(small_pkg):
+    return small_pkg.session(slots=4, max_rows=1)  # slots 0..3; the 5th is the scratch slot
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_hydrated_slot_continues_bitwise(fused_pkg, session, length, tmp_path):
+def test_hydrated_slot_continues_bitwise(small_pkg, session, length, tmp_path):
     """Directly, through L1, and through an L2 file read back after a restart of the store."""
     gen = torch.Generator().manual_seed(length)
     prompt, more, other = random_tokens(gen, length), random_tokens(gen, 80), random_tokens(gen, 260)
-    codec = SnapshotCodec(fused_pkg)
+    codec = SnapshotCodec(small_pkg)
     decoder = Decoder(session)
     for slot in (1, 2, 3):  # the targets hold a longer, unrelated request first
         decoder.prefill(slot, other)
     decoder.prefill(0, prompt)
     snap = codec.capture(session, 0, prompt)
 
-    window, compressed = snap.meta["cache.layer0.window"], snap.meta["cache.layer4.compressed"]
+    window, compressed = snap.meta["cache.layer0.window"], snap.meta["cache.layer1.compressed"]
     assert window == {"kind": "ring", "capacity": 128, "row_bytes": 66, "rows": min(length, 128),
                       "ring_index": length % 128, "offset": length}
-    pages = -(-length // 64)  # whole 64-token pages of 64 ratio-1 records of 36 bytes
-    assert compressed == {"kind": "paged", "ratio": 1, "row_bytes": 36, "rows": length, "offset": length,
-                          "pool": "entry_pages", "tokens_per_page": 64, "page_bytes": 64 * 36, "pages": pages}
-    assert snap.meta["cache.layer2.compressed"]["rows"] == length // 2
-    assert snap.meta["cache.layer2.state"]["ring_index"] == length % 2
-    assert {"cache.draft0.window", "cache.draft1.window"} <= set(snap.caches)
+    pages = -(-length // 64)  # whole 64-token pages of 32 ratio-2 records of 36 bytes
+    assert compressed == {"kind": "paged", "ratio": 2, "row_bytes": 36, "rows": length // 2, "offset": length,
+                          "pool": "entry_pages", "tokens_per_page": 64, "page_bytes": 32 * 36, "pages": pages}
+    index = snap.meta["cache.layer1.index"]  # the other pool: 32-token pages
+    assert (index["pool"], index["rows"], index["pages"]) == ("index_key_pages", length // 2, -(-length // 32))
+    assert snap.meta["cache.layer1.state"]["ring_index"] == length % 2
+    assert set(snap.caches) == set(codec.layout)  # every cache but the committed length, the draft ring included
     for name, rows in snap.caches.items():
         kind = codec.layout[name]
         if kind.kind == "ring":
@@ -93,33 +98,34 @@ def _slot_state(session, slot):
     return [session.seq_lens[slot]] + [c[slot].clone() for c in session.caches.values()]
 
 
-def test_hydrate_refuses_another_package_before_writing(fused_pkg, small_pkg, session):
+def test_hydrate_refuses_another_package_before_writing(small_pkg, other_weights_pkg, session):
     gen = torch.Generator().manual_seed(5)
     prompt = random_tokens(gen, 70)
     Decoder(session).prefill(0, prompt)
-    snap = SnapshotCodec(fused_pkg).capture(session, 0, prompt)
-    small_session = small_pkg.session(slots=1, max_rows=1)
-    Decoder(small_session).prefill(0, prompt[:10])
-    before = _slot_state(small_session, 0)
+    snap = SnapshotCodec(small_pkg).capture(session, 0, prompt)
+    # The same recipe and cache layout with other weights: only the package's identity tells them apart.
+    other_session = other_weights_pkg.session(slots=1, max_rows=1)
+    Decoder(other_session).prefill(0, prompt[:10])
+    before = _slot_state(other_session, 0)
     with pytest.raises(SnapshotMismatch, match="another package"):
-        SnapshotCodec(small_pkg).hydrate(small_session, 0, snap)
+        SnapshotCodec(other_weights_pkg).hydrate(other_session, 0, snap)
     with pytest.raises(SnapshotMismatch, match="another package"):
-        SnapshotCodec(fused_pkg).hydrate(small_session, 0, snap)
-    after = _slot_state(small_session, 0)
+        SnapshotCodec(small_pkg).hydrate(other_session, 0, snap)
+    after = _slot_state(other_session, 0)
     assert before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1:], after[1:]))
 
 
-def test_hydrate_refuses_records_that_do_not_fit_the_layout(fused_pkg, session):
+def test_hydrate_refuses_records_that_do_not_fit_the_layout(small_pkg, session):
     gen = torch.Generator().manual_seed(6)
     prompt = random_tokens(gen, 130)
-    codec = SnapshotCodec(fused_pkg)
+    codec = SnapshotCodec(small_pkg)
     Decoder(session).prefill(0, prompt)
     snap = codec.capture(session, 0, prompt)
     Decoder(session).prefill(3, prompt[:3])
     before = _slot_state(session, 3)
     bad_meta = {**snap.meta, "cache.layer0.window": {**snap.meta["cache.layer0.window"], "ring_index": 0}}
-    bad_rows = {**snap.caches, "cache.layer2.compressed": snap.caches["cache.layer2.compressed"][:-1]}
-    missing = {k: v for k, v in snap.caches.items() if k != "cache.draft1.window"}
+    bad_rows = {**snap.caches, "cache.layer1.compressed": snap.caches["cache.layer1.compressed"][:-1]}
+    missing = {k: v for k, v in snap.caches.items() if k != "cache.draft0.window"}
     for label, broken in (("ring index", {"meta": bad_meta}), ("row count", {"caches": bad_rows}),
                           ("missing draft ring", {"caches": missing})):
         fields = {**snap.__dict__, **broken}
@@ -129,26 +135,27 @@ def test_hydrate_refuses_records_that_do_not_fit_the_layout(fused_pkg, session):
     assert before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1:], after[1:]))
 
 
-def test_capture_needs_the_slot_to_hold_exactly_the_tokens(fused_pkg, session):
+def test_capture_needs_the_slot_to_hold_exactly_the_tokens(small_pkg, session):
     Decoder(session).prefill(0, [1, 2, 3, 4])
-    codec = SnapshotCodec(fused_pkg)
+    codec = SnapshotCodec(small_pkg)
     with pytest.raises(SnapshotError, match="4 committed tokens"):
         codec.capture(session, 0, [1, 2, 3])
     with pytest.raises(SnapshotError, match="out of range"):
         codec.capture(session, 4, [1, 2, 3, 4])  # the scratch slot belongs to no request
 
 
-def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(fused_pkg):
-    layout = package_layout(fused_pkg)
+def test_every_cache_kind_is_covered_and_unknown_caches_turn_snapshots_off(small_pkg):
+    layout = package_layout(small_pkg)
     kinds = {name: (k.kind, k.window) for name, k in layout.items()}
-    assert kinds["cache.layer0.window"] == ("ring", True) and kinds["cache.draft1.window"] == ("ring", True)
-    assert kinds["cache.layer2.state"] == ("ring", False) and kinds["cache.layer4.compressed"] == ("paged", False)
-    assert kinds["cache.layer4.index"] == ("paged", False)
-    assert layout["cache.layer4.index"].pool == "index_key_pages" and layout["cache.layer4.index"].tokens_per_page == 32
-    assert "cache.layer5.compressed" not in kinds  # a Reindex layer owns only its window
-    assert fused_pkg.manifest.model.capabilities == {"supports_prefix_snapshot": True,
-                                                           "supports_rotating_cache_snapshot": True}
-    known = [s for s in cache_specs(fused_pkg) if s.name in ("cache.layer0.window", "cache.seq_len")]
+    assert set(kinds) == {s.name for s in cache_specs(small_pkg)} - {"cache.seq_len"}
+    assert kinds["cache.layer0.window"] == ("ring", True) and kinds["cache.draft0.window"] == ("ring", True)
+    assert kinds["cache.layer1.state"] == ("ring", False) and kinds["cache.layer1.compressed"] == ("paged", False)
+    assert kinds["cache.layer1.index"] == ("paged", False) and kinds["cache.engram.history"] == ("ring", False)
+    assert layout["cache.layer1.index"].pool == "index_key_pages" and layout["cache.layer1.index"].tokens_per_page == 32
+    assert "cache.layer0.compressed" not in kinds  # a window-only layer owns only its window
+    assert small_pkg.manifest.model.capabilities == {"supports_prefix_snapshot": True,
+                                                     "supports_rotating_cache_snapshot": True}
+    known = [s for s in cache_specs(small_pkg) if s.name in ("cache.layer0.window", "cache.seq_len")]
     specs = known + [BufferSpec("cache.layer0.index_keys", "cache", "uint8", ("slots", 512, 68))]  # no kind recorded
     with pytest.raises(LayoutError, match="cache.layer0.index_keys"):
         cache_layout(specs, 1024)

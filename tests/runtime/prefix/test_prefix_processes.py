@@ -80,18 +80,18 @@ def test_a_writer_and_a_reader_process_share_one_directory(tmp_path):
         assert len(store.names()) == 12 and store.tracked_bytes() == store.disk_bytes() <= budget
 
 
-def test_a_new_process_hydrates_from_l2_and_continues_bitwise(fused_pkg, fused_path, tmp_path):
+def test_a_new_process_hydrates_from_l2_and_continues_bitwise(small_pkg, small_path, tmp_path):
     gen = torch.Generator().manual_seed(21)
     prompt, more = random_tokens(gen, 301), random_tokens(gen, 80)
-    session = fused_pkg.session(slots=1, max_rows=1)
-    with PrefixCache(fused_pkg, l2_dir=tmp_path / "l2", write_behind=False) as cache:
+    session = small_pkg.session(slots=1, max_rows=1)
+    with PrefixCache(small_pkg, l2_dir=tmp_path / "l2", write_behind=False) as cache:
         row = Decoder(session, prefix_cache=cache).prefill(0, prompt)
         assert cache.stats_dict()["l2"]["writes"] == 1
     want = continue_slot(session, 0, more)
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"prompt": prompt, "more": more}))
     out = tmp_path / "out.safetensors"
-    proc = subprocess.run([sys.executable, str(CHILD), "roundtrip", str(fused_path), str(tmp_path / "l2"),
+    proc = subprocess.run([sys.executable, str(CHILD), "roundtrip", str(small_path), str(tmp_path / "l2"),
                            str(request), str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
