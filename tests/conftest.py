@@ -147,6 +147,8 @@ def tiny_recipe():
     return load_recipe("dsv41-tiny")
 
 
+LONG_CONTEXT = 1 << 16  # max_seq_len of long_path
+
 SMALL = {  # one window-only and one ratio-2 (Full) layer, one draft stage: exports in seconds
     "model.num_layers": 2,
     "model.compress_ratios": [0, 2, 0],
@@ -212,8 +214,14 @@ def small_pkg(small_path):
 
 
 @pytest.fixture(scope="session")
-def small_unfused_pkg(small_unfused_path):
-    return load(small_unfused_path)
+def long_path(small_recipe, run_dir):
+    """The small recipe at max_seq_len 64k with the small package's weights (the same seed), named
+    as the context_scaling benchmark names its variants: a request must cost and give the same at
+    either size (test_context_independence, test_prefix_pages, test_context_scaling)."""
+    from benchmarks.context_scaling import variant
+
+    recipe = variant(small_recipe, LONG_CONTEXT)
+    return once_per_run(run_dir, "long", lambda out: export_package(recipe, out).path)
 
 
 @pytest.fixture(scope="session")

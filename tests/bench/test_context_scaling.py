@@ -1,7 +1,7 @@
 """The context_scaling benchmark works at a reduced size: its rows are well formed.
 
 The full benchmark exports dsv41-tiny four times (max_seq_len 1k to 1M); here two of the
-run's shared exports stand in for two of them: the tiny package (1k) and its 64k variant,
+run's shared exports stand in for two of them: the small package (1k) and its 64k variant,
 the very recipe `variant` makes (test_context_independence and test_prefix_pages use it
 too), so nothing is exported for this module alone. The indexer runs at small committed
 lengths. Nothing here asserts a speed.
@@ -15,12 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from b12x_toolchain.exporter.pipeline.export import export_package  # noqa: E402
 from b12x_toolchain.exporter.recipe.dims import Dims  # noqa: E402
 from b12x_toolchain.runtime import load  # noqa: E402
 from benchmarks import context_scaling as cs  # noqa: E402
 from benchmarks.registry import REGISTRY, Settings  # noqa: E402
-from conftest import once_per_run  # noqa: E402
+from conftest import LONG_CONTEXT as LONG  # noqa: E402
 
 # Its own time is seconds: the two packages are the run's shared exports, built by the modules
 # scheduled before it.
@@ -50,20 +49,10 @@ def test_registered_and_variants_differ_only_in_max_seq_len(tiny_recipe):
     assert max(cs.INDEXER_COMMITTED) <= cs.INDEXER_CAPACITIES[0]
 
 
-LONG = 1 << 16
-
-
-@pytest.fixture(scope="module")
-def long_path(tiny_recipe, run_dir):
-    """The tiny recipe at max_seq_len 64k, with its own weights: the run's shared "long" export."""
-    recipe = cs.variant(tiny_recipe, LONG)
-    assert recipe.name == "dsv41-tiny-64k"  # the name the other users of the export give it
-    return once_per_run(run_dir, "long", lambda out: export_package(recipe, out).path)
-
-
-def test_an_export_in_the_directory_is_reused_and_a_missing_one_made(tiny_recipe, long_path, tmp_path, monkeypatch):
-    recipe = cs.variant(tiny_recipe, LONG)
-    weights = cs.shared_weights([tiny_recipe, recipe])
+def test_an_export_in_the_directory_is_reused_and_a_missing_one_made(small_recipe, long_path, tmp_path, monkeypatch):
+    recipe = cs.variant(small_recipe, LONG)
+    assert recipe.name == "dsv41-small-64k" == long_path.stem  # the variant the run's shared "long" export is
+    weights = cs.shared_weights([small_recipe, recipe])
     made = []
 
     def export(exported, out, **options):  # export_package, as package_path calls it
@@ -75,13 +64,13 @@ def test_an_export_in_the_directory_is_reused_and_a_missing_one_made(tiny_recipe
     (tmp_path / recipe.name).symlink_to(long_path.parent, target_is_directory=True)
     assert cs.package_path(recipe, tmp_path, weights, jobs=1) == tmp_path / recipe.name / long_path.name
     assert made == []
-    other = cs.variant(tiny_recipe, 4096)  # nothing of it in the directory: exported there
+    other = cs.variant(small_recipe, 4096)  # nothing of it in the directory: exported there
     assert cs.package_path(other, tmp_path, weights, jobs=3) == tmp_path / other.name / f"{other.name}.b12x"
     assert made == [(other.name, tmp_path / other.name, True, 3)]
 
 
-def test_model_rows_at_1k_and_64k(fused_pkg, long_path):
-    rows = cs.model_cases([fused_pkg, load(long_path)], ONE_ROUND)
+def test_model_rows_at_1k_and_64k(small_pkg, long_path):
+    rows = cs.model_cases([small_pkg, load(long_path)], ONE_ROUND)
     assert [m.benchmark for m in rows] == ["context_scaling.verify", "context_scaling.draft",
                                            "context_scaling.prefill_chunk"]
     for m in rows:

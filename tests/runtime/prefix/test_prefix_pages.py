@@ -1,7 +1,7 @@
 """Prefix hits share pages by reference: nothing of the prefix's entries is copied.
 
 A 3,900-token prefix (60 full 64-token entry pages and a partly filled one; 121 full
-32-token index-key pages and a partly filled one) is prefilled into slot 0 of the tiny
+32-token index-key pages and a partly filled one) is prefilled into slot 0 of the small
 recipe at max_seq_len 64k and stored in L1. Slots 1 and 2 hydrate it: their block tables
 point at the very pages the snapshot holds, and no page is copied. Then every slot goes
 on with a tail: slot 1 like slot 0 (bitwise the same logits), slot 2 with another tail,
@@ -13,23 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from b12x_toolchain.exporter.pipeline.export import export_package
-
-# No slow mark: scheduled after the modules that build the 64k export, it never waits for it.
-from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.prefix.cache import PrefixCache
-from conftest import once_per_run, random_tokens
+from conftest import random_tokens
 
+# No slow mark: scheduled after the modules that build the 64k export, it never waits for it.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PREFIX, CHUNK = 3_900, 64
 
 
 @pytest.fixture(scope="module")
-def long_pkg(tiny_recipe, run_dir):  # the very export test_context_independence uses
-    recipe = recipe_variant(tiny_recipe, {"model.max_seq_len": 65_536}, name="dsv41-tiny-64k")
-    return load(once_per_run(run_dir, "long", lambda out: export_package(recipe, out).path))
+def long_pkg(long_path):  # the very export test_context_independence uses
+    return load(long_path)
 
 
 def prefill(session, slot: int, tokens: list[int], start: int = 0) -> torch.Tensor:
