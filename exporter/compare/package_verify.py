@@ -60,7 +60,9 @@ def _values(spec, tensor: torch.Tensor) -> torch.Tensor | None:
     fmt = buffer_format(spec) if tensor.dtype == torch.uint8 else None
     if fmt is None:
         return None
-    return get_format(fmt[0]).decode(tensor.reshape(-1, tensor.shape[-1]), fmt[1]).double()
+    codec = get_format(fmt[0])
+    # Rows of the format's record size: a paged cache's live pages are [pages, page_bytes], whole records each.
+    return codec.decode(tensor.reshape(-1, codec.row_bytes(fmt[1])), fmt[1]).double()
 
 
 def compare(name: str, a: torch.Tensor, b: torch.Tensor, spec, tolerance: Tolerance | None) -> str | None:
