@@ -361,30 +361,31 @@ def random_tokens(gen: torch.Generator, count: int, vocab: int = 512) -> list[in
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tiny_recipe, run_dir):
-    """The tiny recipe's weights as a checkpoint: safetensors shards, an index with sha256."""
+def checkpoint_dir(small_recipe, run_dir):
+    """The small recipe's weights as a checkpoint: safetensors shards, an index with sha256."""
     from b12x_toolchain.exporter.model.weights import init_weights
     from b12x_toolchain.exporter.pipeline.checkpoint_index import write_checkpoint
     from b12x_toolchain.exporter.recipe.dims import Dims
 
     def build(out):
-        weights = init_weights(Dims.from_recipe(tiny_recipe), tiny_recipe.model.init_seed)
+        weights = init_weights(Dims.from_recipe(small_recipe), small_recipe.model.init_seed)
         return write_checkpoint(weights, out, shard_bytes=1 << 20)
 
-    return once_per_run(run_dir, "checkpoint", build)
+    return once_per_run(run_dir, "small-checkpoint", build)
 
 
 @pytest.fixture(scope="session")
-def structural_path(tiny_recipe, checkpoint_dir, run_dir):
-    """The tiny recipe exported without weights (two jobs), checksums from the checkpoint's
-    index; the graph after every rewrite is dumped into the sibling folder `dump`."""
+def structural_path(small_recipe, checkpoint_dir, run_dir):
+    """The small recipe exported without weights (two jobs), checksums from the checkpoint's
+    index; the graph after every rewrite is dumped into the sibling folder `dump`. test_structural
+    compares its graphs with small_path's (one job) byte for byte."""
     from b12x_toolchain.exporter.model.weights import weight_shapes
     from b12x_toolchain.exporter.pipeline.checkpoint_index import index_checksums
     from b12x_toolchain.exporter.recipe.dims import Dims
 
     def build(root):
-        checksums = index_checksums(checkpoint_dir, weight_shapes(Dims.from_recipe(tiny_recipe)))
-        return export_package(tiny_recipe, root / "out", structural=True, checksums=checksums,
+        checksums = index_checksums(checkpoint_dir, weight_shapes(Dims.from_recipe(small_recipe)))
+        return export_package(small_recipe, root / "out", structural=True, checksums=checksums,
                               dump_dir=root / "dump", jobs=2).path
 
-    return once_per_run(run_dir, "structural", build)
+    return once_per_run(run_dir, "small-structural", build)

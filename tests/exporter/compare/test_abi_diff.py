@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow(minutes=0.4)
 
 
 @pytest.fixture(scope="module")
-def base(fused_path):
-    return json.loads((fused_path / "manifest.json").read_text())
+def base(small_path):
+    return json.loads((small_path / "manifest.json").read_text())
 
 
 def _crafted(manifest: dict, edit) -> dict:
@@ -65,8 +65,8 @@ CHANGES = {
                      "draft output hidden: added (output float32 [rows, 7, 128])"),
     "dtype changed": (lambda p: _buffer(p, "prefill", "tokens").update(dtype="int64"),
                       "prefill input tokens: dtype int32 -> int64"),
-    "shape changed": (lambda p: _buffer(p, "verify", "staging.verify.layer2.window").update(shape=["rows", 9, 16, 1, 70]),
-                      "verify input staging.verify.layer2.window: shape [rows, 9, 16, 1, 66] -> [rows, 9, 16, 1, 70]"),
+    "shape changed": (lambda p: _buffer(p, "verify", "staging.verify.layer1.window").update(shape=["rows", 9, 16, 1, 70]),
+                      "verify input staging.verify.layer1.window: shape [rows, 9, 16, 1, 66] -> [rows, 9, 16, 1, 70]"),
     "symbolic shape changed": (lambda p: _buffer(p, "commit", "cache.seq_len").update(shape=["rows"]),
                                "commit input cache.seq_len: shape [slots] -> [rows]"),
     "role changed": (lambda p: _buffer(p, "draft", "cache.draft0.window").update(role="staging"),
@@ -86,26 +86,26 @@ def test_versions_that_gate_loading_are_reported(base):
     assert diff_manifests(base, newer) == [f"op set: version {base['opset_version']} -> {base['opset_version'] + 1}"]
 
 
-def test_cli_is_quiet_for_fused_vs_unfused(fused_path, unfused_path, structural_path):
-    for other in (unfused_path, structural_path):  # rewrites and stored weights are not the ABI
-        result = CliRunner().invoke(main, ["abi", "diff", str(fused_path), str(other)])
+def test_cli_is_quiet_for_fused_vs_unfused(small_path, small_unfused_path, structural_path):
+    for other in (small_unfused_path, structural_path):  # rewrites and stored weights are not the ABI
+        result = CliRunner().invoke(main, ["abi", "diff", str(small_path), str(other)])
         assert result.exit_code == 0, result.output
         assert result.output.startswith("ABI identical: ")
 
 
-def test_cli_prints_the_changes_and_fails(base, fused_path, tmp_path):
+def test_cli_prints_the_changes_and_fails(base, small_path, tmp_path):
     changed = _crafted(base, lambda p: (p.pop("draft"), _rename(p, "verify", "tokens", "token_ids")))
     (tmp_path / "manifest.json").write_text(json.dumps(changed))
-    result = CliRunner().invoke(main, ["abi", "diff", str(fused_path), str(tmp_path / "manifest.json")])
+    result = CliRunner().invoke(main, ["abi", "diff", str(small_path), str(tmp_path / "manifest.json")])
     assert result.exit_code == 1
     assert result.stdout.splitlines() == ["pass draft: removed", "verify input tokens: renamed to token_ids"]
     assert "ABI differs: 2 change(s)" in result.stderr
 
 
-def test_cli_refuses_a_manifest_whose_fingerprint_lies(base, fused_path, tmp_path):
+def test_cli_refuses_a_manifest_whose_fingerprint_lies(base, small_path, tmp_path):
     lying = copy.deepcopy(base)
     lying["passes"]["verify"]["inputs"].pop()
     lying["manifest_sha256"] = digest(lying)  # the document is signed; its fingerprint is what lies
     (tmp_path / "manifest.json").write_text(json.dumps(lying))
-    result = CliRunner().invoke(main, ["abi", "diff", str(fused_path), str(tmp_path / "manifest.json")])
+    result = CliRunner().invoke(main, ["abi", "diff", str(small_path), str(tmp_path / "manifest.json")])
     assert result.exit_code == 1 and "abi_fingerprint does not match the calling conventions" in result.output

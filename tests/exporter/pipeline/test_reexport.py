@@ -102,12 +102,15 @@ def test_check_refuses_settings_that_contradict_the_package(structural):
     assert result.exit_code == 1 and "--check re-exports with the settings PKG records" in result.output
 
 
-def test_weights_index_must_hold_every_weight(checkpoint_dir, tmp_path):
+def test_weights_index_must_hold_every_weight(checkpoint_dir, small_recipe, tmp_path):
+    """The checkpoint holds the small recipe's weights: the small recipe is exported against its index."""
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
     index = json.loads((checkpoint_dir / INDEX).read_text())
-    del index["weight_map"]["model.layers.4.self_attn.compressor.kv_proj.weight"]
+    del index["weight_map"]["model.layers.1.self_attn.compressor.kv_proj.weight"]
     (tmp_path / INDEX).write_text(json.dumps(index))
-    result = CliRunner().invoke(main, ["export", "--recipe", "dsv41-tiny", "--weights", "none",
+    result = CliRunner().invoke(main, ["export", "--recipe", str(recipe), "--weights", "none",
                                        "--weights-index", str(tmp_path / INDEX), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1
-    assert "model.layers.4.self_attn.compressor.kv_proj.weight: not in the checkpoint index" in result.output
+    assert "model.layers.1.self_attn.compressor.kv_proj.weight: not in the checkpoint index" in result.output
     assert not (tmp_path / "out").exists()  # refused before anything is captured
