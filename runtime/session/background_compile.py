@@ -77,10 +77,11 @@ class BackgroundCompile:
 
         try:
             status, errors = run_child(spec)
+            failure = None if status == 0 else f"the compiling process exited with {status}: {errors}"
         except OSError as exc:  # not started at all: as failed as a child that exited badly
-            status, errors = None, str(exc)
-        if status != 0:
-            self.error = f"the compiling process exited with {status}: {errors}"
+            failure = f"the compiling process could not start: {exc}"
+        if failure is not None:
+            self.error = failure
             self.done.set()
             return
         self._compile_all()  # from the cache the child filled: loads, no tracing
