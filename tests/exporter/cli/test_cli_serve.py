@@ -39,7 +39,9 @@ def test_sigterm_drains_and_writes_the_l2_cache(tmp_path, small_path):
         url = URL.search(line).group(1)
         key = {"Authorization": "Bearer k"}
         assert httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 401
-        body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 12, "stream": True}
+        # Long enough to be still streaming well after the SIGTERM below: a short one can finish and let
+        # the server exit before the request that must be refused while it drains.
+        body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 400, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=key, timeout=60) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # it runs
