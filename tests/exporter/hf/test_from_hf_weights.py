@@ -1,5 +1,9 @@
 """`recipe from-hf` of a quantized config.json: the `weights` section it writes, what it
-refuses by key, and the round trip to `export --checkpoint` on a release-layout checkpoint."""
+refuses by key, and the round trip to `export --checkpoint` on a release-layout checkpoint.
+
+The round trip is test_quantized_weights' package under DeepSeek's activation rule, which
+that module replays against transformers: it is made once per test run, by whichever
+module asks first (from_hf_export), and checked here for what the command line stores."""
 
 from __future__ import annotations
 
@@ -17,10 +21,12 @@ from b12x_toolchain.exporter.recipe.dims import Dims
 from b12x_toolchain.exporter.recipe.loader import load_recipe
 from b12x_toolchain.exporter.recipe.weights import WeightsSpec
 from b12x_toolchain.runtime import load
-from hf_reference import small_v4_config, small_v4_recipe, tiny_v4_config, tiny_weights
-from release_checkpoint import release_config, write_release_checkpoint
+from hf_reference import small_v4_recipe, tiny_v4_config
+from release_checkpoint import release_config
+from release_package import RECIPE_FILE, from_hf_export, release_checkpoint, v4_recipe
 
-pytestmark = pytest.mark.slow(minutes=0.5)  # one export of dsv4-tiny (two layers) in the release's formats
+# One export of dsv4-tiny (two layers) in the release's formats, unless test_quantized_weights made it first.
+pytestmark = pytest.mark.slow(minutes=0.5)
 
 BF16_ROLES = {"head": "bf16", "embeddings": "bf16", "compressor": "bf16", "router": "bf16", "norms": "bf16"}
 
@@ -107,11 +113,9 @@ def run(*args):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(run_dir):
     """A V4 release-layout checkpoint of dsv4-tiny's model cut to two layers (SMALL_V4)."""
-    root = tmp_path_factory.mktemp("release") / "small-v4-release"
-    write_release_checkpoint(root, small_v4_config(), tiny_weights(seed=5, small=True), block=(128, 128))
-    return root
+    return release_checkpoint(run_dir)
 
 
 @pytest.mark.parametrize("case", ["fp8 experts (V4)", "block", "quant_method"])
@@ -127,16 +131,13 @@ def test_cli_refusals_are_one_line_and_write_nothing(checkpoint, tmp_path, case)
     assert not out.exists()
 
 
-def test_from_hf_then_export_checkpoint_round_trips(checkpoint, tmp_path):
-    recipe_file = tmp_path / "release.yaml"
-    result = run("recipe", "from-hf", checkpoint, "--name", "dsv4-small-release", "--out", recipe_file)
-    assert result.exit_code == 0, result.output
-    written = load_recipe(recipe_file)
+def test_from_hf_then_export_checkpoint_round_trips(checkpoint, run_dir):
+    path = from_hf_export(run_dir)  # where both commands run, each must exit 0
+    written = load_recipe(path.parents[1] / RECIPE_FILE)
     assert written.model == small_v4_recipe().model and written.weights == WeightsSpec.model_validate(V4_WEIGHTS)
-    out = tmp_path / "pkg"
-    result = run("export", "--recipe", recipe_file, "--checkpoint", checkpoint, "--out", out)
-    assert result.exit_code == 0, result.output
-    package = load(out / "dsv4-small-release.b12x")
+    # The rest is the template's, which --template gave: fp32 caches, no decode pass.
+    assert written.normalized() == v4_recipe("deepseek").normalized()
+    package = load(path)
     # Stored as the checkpoint stores them: FP8 data with UE8M0 scales, packed FP4 experts, BF16.
     assert package.weights["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
     assert package.weights["model.layers.0.self_attn.q_a_proj.weight_scale"].dtype == torch.float8_e8m0fnu

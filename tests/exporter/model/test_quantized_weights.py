@@ -5,15 +5,19 @@ A tiny V4 checkpoint (two layers: CSA, HCA) in the release layout (128x128 UE8M0
 from random weights; `transformers` loads it on the CPU (it decodes the weights exactly to
 float32 and runs plain float32 linears: activation rule `none`) and b12x imports it as
 stored. Under DeepSeek's activation rule the reference is the same model with every
-FP8/FP4 linear's input quantized by a plain torch copy of the rule written here. A tiny
-V4.1 recipe with 32x32 blocks speculates exactly as it decodes greedily.
+FP8/FP4 linear's input quantized by a plain torch copy of the rule written here; that package
+is made as a user makes one, by `recipe from-hf` and `export --checkpoint`, and
+test_from_hf_weights checks the same run as its round trip. A tiny V4.1 recipe with 32x32
+blocks speculates exactly as it decodes greedily.
 """
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
@@ -28,35 +32,21 @@ from b12x_toolchain.runtime.package.checkpoint import CheckpointError
 from b12x_toolchain.runtime.package.weight_binding import load_weights_bytes
 from b12x_toolchain.runtime.serving.speculative import Decoder
 from conftest import random_tokens
-from decode_steps import FP32_CACHES, incremental, prefill
-from hf_reference import fp32_tiny_recipe, reference_logits, small_v4_config, small_v4_recipe, tiny_weights
-from release_checkpoint import write_release_checkpoint
+from decode_steps import incremental, prefill
+from hf_reference import INDEX, fp32_tiny_recipe, reference_logits, small_v4_recipe
+from release_package import FP8_ROLES, from_hf_export, release_checkpoint, release_scheme, v4_recipe
 
 pytestmark = pytest.mark.slow(minutes=0.6)  # two exports of the 128x128 package on two busy cores
 
 TOLERANCE = 1e-5
-FP8_ROLES = ("attention", "indexer_query", "shared_experts", "draft_input")
-BF16_ROLES = ("embeddings", "head", "compressor", "router", "norms")
-
-
-def release_scheme(block: int, activation: str) -> dict:
-    """The `weights` section of DeepSeek's Instruct release: V4 with 128x128 blocks, V4.1 32x32."""
-    section = {"activation": activation, "routed_experts": "fp4_e2m1"}
-    section.update({role: {"format": "fp8_e4m3", "block": [block, block], "scale": "ue8m0"} for role in FP8_ROLES})
-    section.update({role: "bf16" for role in BF16_ROLES})
-    return section
-
-
-def v4_recipe(activation: str):
-    return small_v4_recipe({**FP32_CACHES, "weights": release_scheme(128, activation)},
-                           name=f"dsv4-small-release-{activation}")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(directory, tensors written by release name)."""
-    root = tmp_path_factory.mktemp("release") / "v4"
-    return root, write_release_checkpoint(root, small_v4_config(), tiny_weights(seed=3, small=True), block=(128, 128))
+def checkpoint(run_dir):
+    """(directory, its tensors by release name, as stored)."""
+    root = release_checkpoint(run_dir)
+    shards = set(json.loads((root / INDEX).read_text())["weight_map"].values())
+    return root, {name: t for shard in shards for name, t in safetensors.torch.load_file(str(root / shard)).items()}
 
 
 @pytest.fixture(scope="module")
@@ -67,27 +57,34 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def imported(checkpoint):
-    """activation rule -> (recipe, weights as the checkpoint stores them)."""
-    recipes = {rule: v4_recipe(rule) for rule in ("none", "deepseek")}
-    return {rule: (r, load_hf_checkpoint(checkpoint[0], Dims.from_recipe(r))) for rule, r in recipes.items()}
+    """(the `none` recipe, weights as the checkpoint stores them)."""
+    recipe = v4_recipe("none")
+    return recipe, load_hf_checkpoint(checkpoint[0], Dims.from_recipe(recipe))
 
 
 class Packages(dict):
-    """activation rule -> the package exported from the imported checkpoint, exported when first asked for."""
+    """activation rule -> the package of the imported checkpoint, made when first asked for:
+    `none` exported here, `deepseek` by the command line (from_hf_export)."""
 
-    def __init__(self, imported, tmp_path_factory):
+    def __init__(self, imported, run_dir, tmp_path_factory):
         super().__init__()
-        self.imported, self.tmp = imported, tmp_path_factory
+        self.imported, self.run_dir, self.tmp = imported, run_dir, tmp_path_factory
 
     def __missing__(self, rule):
-        recipe, weights = self.imported[rule]
-        self[rule] = load(export_package(recipe, self.tmp.mktemp(recipe.name), weights=weights).path)
-        return self[rule]
+        if rule == "deepseek":
+            # test_from_hf_weights holds its weights to the import's byte for byte.
+            package = load(from_hf_export(self.run_dir))
+            assert package.manifest.recipe == v4_recipe(rule).normalized()  # the recipe this module means
+        else:
+            recipe, weights = self.imported
+            package = load(export_package(recipe, self.tmp.mktemp(recipe.name), weights=weights).path)
+        self[rule] = package
+        return package
 
 
 @pytest.fixture(scope="module")
-def packages(imported, tmp_path_factory):
-    return Packages(imported, tmp_path_factory)
+def packages(imported, run_dir, tmp_path_factory):
+    return Packages(imported, run_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +217,7 @@ RELEASE_NAMES = {  # b12x weight -> the release tensors it holds (routed experts
 
 def test_package_weight_bytes_are_the_checkpoints(packages, imported, checkpoint):
     """Every stored tensor is the checkpoint's, byte for byte: no float32 copy anywhere."""
-    pkg, (recipe, _) = packages["none"], imported["none"]
+    pkg, (recipe, _) = packages["none"], imported
     stored = load_weights_bytes((pkg.path / "weights.safetensors").read_bytes(), "weights.safetensors")
     release = checkpoint[1]
     assert sum(t.nbytes for t in stored.values()) == sum(t.nbytes for t in release.values())
