@@ -23,12 +23,20 @@ from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime.package.checkpoint import INDEX
 from paths import ROOT
 
-pytestmark = pytest.mark.slow(minutes=0.5)
+pytestmark = pytest.mark.slow(minutes=0.35)
 
 
 @pytest.fixture(scope="module")
-def structural(one_layer_recipe, tmp_path_factory):
-    return export_package(one_layer_recipe, tmp_path_factory.mktemp("one-layer"), structural=True).path
+def changed(small_recipe):
+    """The small recipe with one value changed: RoPE's base, which every pass but commit reads."""
+    return recipe_variant(small_recipe, {"model.rope_theta": 20000.0})
+
+
+@pytest.fixture(scope="module")
+def structural(changed, tmp_path_factory):
+    # The changed recipe rather than the small one: the check of the small recipe's committed
+    # manifest below re-exports the changed one, and so copies these captures (trace_cache.py).
+    return export_package(changed, tmp_path_factory.mktemp("changed"), structural=True).path
 
 
 def _texts(root: Path):
@@ -50,17 +58,18 @@ def test_package_holds_no_paths_or_host_names(structural):
             assert text.encode() not in data, f"{name} contains {text!r}"
 
 
-def test_another_process_and_folder_give_the_same_bytes(small_path, small_recipe, tmp_path):
+def test_another_process_and_folder_give_the_same_bytes(one_layer_path, one_layer_recipe, tmp_path):
     """Weights included: the recipe's seeded initialisation, bit for bit."""
-    recipe = tmp_path / "small.yaml"
-    recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
+    # One layer of every op kind, a package other modules use too: the child's export is the cost.
+    recipe = tmp_path / "one-layer.yaml"
+    recipe.write_text(yaml.safe_dump(one_layer_recipe.normalized()))
     elsewhere = tmp_path / "another" / "place"
     elsewhere.mkdir(parents=True)
     subprocess.run([sys.executable, "-m", "b12x_toolchain.exporter.cli.main", "export", "--recipe", str(recipe),
                     "--out", "other-name"], cwd=elsewhere, check=True, capture_output=True, timeout=600)
-    again = elsewhere / "other-name" / "dsv41-small.b12x"
+    again = elsewhere / "other-name" / f"{one_layer_recipe.name}.b12x"
     assert (again / "weights.safetensors").exists()
-    assert differences(small_path, again) == []
+    assert differences(one_layer_path, again) == []
 
 
 def test_check_passes_for_an_untouched_package(structural, tmp_path):
@@ -81,11 +90,10 @@ def test_differences_name_exactly_the_changed_file(structural, tmp_path):
     assert differences(copy, structural) == ["extra.txt", "graphs/draft.pt2"]
 
 
-def test_check_of_a_manifest_names_what_a_recipe_change_moves(structural, one_layer_recipe, tmp_path):
+def test_check_of_a_manifest_names_what_a_recipe_change_moves(structural_path, small_recipe, changed, tmp_path):
     """CI keeps only the manifest; changing one recipe value must change the bytes, and say where."""
-    committed = tmp_path / f"{one_layer_recipe.name}.manifest.json"
-    shutil.copy(structural / "manifest.json", committed)
-    changed = recipe_variant(one_layer_recipe, {"model.rope_theta": 20000.0})
+    committed = tmp_path / f"{small_recipe.name}.manifest.json"
+    shutil.copy(structural_path / "manifest.json", committed)  # structural, with a checkpoint's checksums
     recipe = tmp_path / "changed.yaml"
     recipe.write_text(yaml.safe_dump(changed.normalized()))
     result = CliRunner().invoke(main, ["export", "--check", str(committed), "--recipe", str(recipe)])
