@@ -20,7 +20,7 @@ import pytest
 
 from b12x_toolchain.runtime import load
 from clients.serving import write_tokenizer
-from clients.venvs import client_venv
+from clients.venvs import CLIENT_ENV, client_venv
 
 pytestmark = [pytest.mark.slow(minutes=0.5), pytest.mark.exports, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -40,7 +40,7 @@ def test_every_request_completes_with_the_asked_output_tokens(served, processor,
     profile, count = PROFILES[mode]
     venv = client_venv("guidellm")
     report, first = tmp_path / "report.json", len(recorder.exchanges)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    env = {**os.environ, **CLIENT_ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf-home"), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
     command = [venv / "bin" / "guidellm", "run", "--backend", f"kind=openai_http,target={server.url}",
                "--profile", profile, "--constraint", f"kind=max_requests,count={count}",

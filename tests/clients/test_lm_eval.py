@@ -28,7 +28,7 @@ import yaml
 
 from b12x_toolchain.runtime import load
 from clients.serving import assert_text_is_greedy, continuation_logprob, greedy_states
-from clients.venvs import client_venv
+from clients.venvs import CLIENT_ENV, client_venv
 
 pytestmark = [pytest.mark.slow(minutes=0.6), pytest.mark.exports, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -94,7 +94,7 @@ def evaluation(served, tmp_path_factory):
     for folder in (tasks, data, out, home):
         folder.mkdir()
     write_tasks(tasks, data)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(home),
+    env = {**os.environ, **CLIENT_ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(home),
            "TOKENIZERS_PARALLELISM": "false", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
     command = [venv / "bin" / "lm_eval", "--model", "local-completions",
                "--model_args", f"base_url={server.url}/v1/completions,model={server.service.model_name}",
