@@ -33,7 +33,7 @@ from decode_steps import FP32_CACHES, SMALL_V4
 # What makes a test cost seconds rather than milliseconds here: an exported package (a
 # shared one, or one its module exports itself) or a child process (torch's import alone
 # takes seconds). `make test-fast` leaves out what carries the `exports` marker.
-EXPORT_FIXTURES = {"small_path", "small_release_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
+EXPORT_FIXTURES = {"small_path", "small_release_path", "one_layer_path", "fused_path", "unfused_path", "fused_pkg", "unfused_pkg", "structural_path", "checkpoint_dir",
                    "chat_path", "chat_parallel_path", "fp32_path", "dsv4_small_path"}
 COSTLY_CALLS = ("export_package(", "exported(", "subprocess.", "CliRunner(", "on_ranks(")  # on_ranks: a process per rank
 
