@@ -30,16 +30,15 @@ pytestmark = pytest.mark.slow(minutes=0.4)  # the module's time on two busy core
 CHILD = textwrap.dedent("""
     import os, pickle, sys, time
     from b12x_toolchain.exporter.pipeline import export as export_module, package_writer
-    from b12x_toolchain.exporter.pipeline import export as export_module
-from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.pipeline.pass_export import run_jobs
+    from b12x_toolchain.exporter.pipeline.export import export_package
     from b12x_toolchain.exporter.recipe.loader import load_recipe
 
     with open(sys.argv[3], "rb") as f:
         recorded = pickle.load(f)
     def replay_jobs(jobs, workers, on_start=None, on_done=None):
         for job in jobs:
-            on_start(job.label)
+            if on_start is not None:
+                on_start(job.label)
             on_done(recorded[job.label])
         return {job.label: recorded[job.label] for job in jobs}
     export_module.run_jobs = replay_jobs
@@ -94,15 +93,17 @@ def test_export_killed_mid_way_leaves_no_partial_package(small_recipe, recorded_
     recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
     out = tmp_path / "out"
     child = _child(recipe, out, recorded_passes)
-    seen = 0
+    seen, reached = 0, False
     for line in child.stdout:
         if line.strip() == phase:
             seen += 1
             if seen > writes or phase == "capturing":
+                reached = True
                 break
     time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=60)
+    assert reached, f"the child export ended before {phase} #{writes + 1} (exit status {child.returncode})"
     assert _package_state(out) == "absent"
     # Whatever was left is hidden scratch, never under the final name; a rerun succeeds.
     leftovers = [p.name for p in out.iterdir()] if out.exists() else []
@@ -118,11 +119,10 @@ def test_export_killed_while_replacing_keeps_the_old_package_loadable(small_reci
     out = tmp_path / "out"
     export_package(small_recipe, out)  # in this process: only the killed export needs a child
     child = _child(recipe, out, recorded_passes)
-    for line in child.stdout:
-        if line.strip() == "writing":
-            break
+    writing = any(line.strip() == "writing" for line in child.stdout)  # stops reading at the first write
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=60)
+    assert writing, f"the child export ended before writing (exit status {child.returncode})"
     assert _package_state(out) == "complete"
 
 
