@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import functools
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from b12x_toolchain.exporter.pipeline.reexport import differences
 from b12x_toolchain.runtime.formats.dsv41 import FLASHINFER_PIN
 from paths import ROOT
 
@@ -63,16 +65,11 @@ def run_quietly(*command, failure: str = "", **kwargs) -> subprocess.CompletedPr
     return result
 
 
-@pytest.fixture(scope="module")
-def flashinfer_wheel(tmp_path_factory) -> Path:
-    pin = FLASHINFER_PIN  # the release the Makefile installs and the manifest records
-    download_dir = tmp_path_factory.mktemp("flashinfer-wheel")  # pip's HTTP cache makes reruns fast
-    run_quietly(sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                "-d", download_dir, f"flashinfer-python=={pin}",
-                failure=f"could not download flashinfer-python=={pin}: this test needs PyPI "
-                        f"(network access) or pip's cache to hold that wheel.\n")
-    (wheel,) = download_dir.glob(f"{FLASHINFER}-{pin}-*.whl")
-    return wheel
+# The FlashInfer release the Makefile installs and the manifest records, by name from the index as
+# the Makefile installs it: uv then links the files it unpacked into its cache once, where a wheel
+# file at a new path every run (downloaded into the run's temporary folder) is unpacked anew,
+# ~15,000 files and 700 MB more in uv's cache each time.
+FLASHINFER_REQUIREMENT = f"flashinfer-python=={FLASHINFER_PIN}"
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +91,13 @@ def project_wheel(tmp_path_factory) -> Path:
 def record_paths_and_hashes(site_packages: Path, dist: str) -> dict[Path, str]:
     """The files an installed distribution's RECORD lists (resolved), each with its recorded hash."""
     (record,) = site_packages.glob(f"{dist}-*.dist-info/RECORD")
+    # Installers write a wheel's files as regular files, never links, so a file resolves as its
+    # folder does: each folder resolved once, rather than each of FlashInfer's ~15,000 files, is a
+    # quarter of the time.
+    resolved = functools.cache(Path.resolve)
     with record.open(newline="") as rows:
-        return {(site_packages / path).resolve(): digest for path, digest, _size in csv.reader(rows)}
+        return {resolved((site_packages / path).parent) / Path(path).name: digest
+                for path, digest, _size in csv.reader(rows)}
 
 
 def record_digest(path: Path) -> str:
@@ -115,13 +117,18 @@ def damaged_files(listed: dict[Path, str]) -> list[str]:
 
 
 # What `import b12x_toolchain` finds in the fresh venv, and whether the dev venv's editable install
-# (an import hook its __editable__ .pth would install) came along through the .pth path.
+# (an import hook its __editable__ .pth would install) came along through the .pth path; given
+# arguments, the same process then runs them as the `b12x` console script would (torch's import,
+# most of a small command's time, paid once for both).
 IMPORT_PROBE = """
 import json, sys
 import b12x_toolchain
 from b12x_toolchain.runtime import load
 print(json.dumps({"file": b12x_toolchain.__file__,
-                  "editable_hooks": sorted(m for m in sys.modules if m.startswith("__editable__"))}))
+                  "editable_hooks": sorted(m for m in sys.modules if m.startswith("__editable__"))}), flush=True)
+if sys.argv[1:]:
+    from b12x_toolchain.exporter.cli.main import main
+    main(sys.argv[1:], prog_name="b12x")
 """
 
 
@@ -133,9 +140,10 @@ class FreshVenv:
     env: dict[str, str]
 
 
-def fresh_venv(tmp_path: Path, *wheels: Path) -> FreshVenv:
-    """A new venv with these wheels installed in this order, without their dependencies; torch
-    and the rest come from the dev venv through a .pth file written after the installs."""
+def fresh_venv(tmp_path: Path, *wheels: Path | str) -> FreshVenv:
+    """A new venv with these wheels (files, or requirements on the index) installed in this order,
+    without their dependencies; torch and the rest come from the dev venv through a .pth file
+    written after the installs."""
     venv = tmp_path / "venv"
     # Without pip: seeding one is most of a venv's creation; the dev venv's uv installs into
     # this one instead (`--python`).
@@ -145,7 +153,9 @@ def fresh_venv(tmp_path: Path, *wheels: Path) -> FreshVenv:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     for wheel in wheels:
         # No byte-compiling (uv's default): FlashInfer's ~14,000 modules would be most of its install time.
-        run_quietly(UV, "pip", "install", "--quiet", "--python", python, "--no-deps", wheel, cwd=tmp_path, env=env)
+        run_quietly(UV, "pip", "install", "--quiet", "--python", python, "--no-deps", wheel, cwd=tmp_path, env=env,
+                    failure=f"could not install {wheel}: one from the index needs PyPI (network access) "
+                            f"or uv's cache to hold it.\n")
     print_paths = "import json, sysconfig; print(json.dumps(sysconfig.get_paths()))"
     venv_paths = json.loads(run_quietly(python, "-c", print_paths, cwd=tmp_path, env=env).stdout)
     site_packages = Path(venv_paths["purelib"]).resolve()
@@ -155,26 +165,24 @@ def fresh_venv(tmp_path: Path, *wheels: Path) -> FreshVenv:
     return FreshVenv(python, Path(venv_paths["scripts"]), site_packages, env)
 
 
-def imported_from(venv: FreshVenv, cwd: Path) -> Path:
-    """Where `import b12x_toolchain` in the venv, run in cwd, finds it (the runtime imports too)."""
-    imported = json.loads(run_quietly(venv.python, "-c", IMPORT_PROBE, cwd=cwd, env=venv.env).stdout)
+def imported_from(venv: FreshVenv, cwd: Path, *command) -> Path:
+    """Where `import b12x_toolchain` in the venv, run in cwd, finds it (the runtime imports too),
+    in the process that then runs `b12x COMMAND...`, if given."""
+    stdout = run_quietly(venv.python, "-c", IMPORT_PROBE, *command, cwd=cwd, env=venv.env).stdout
+    imported = json.loads(stdout.splitlines()[0])
     assert imported["editable_hooks"] == [], imported
     return Path(imported["file"]).resolve()
 
 
 @pytest.fixture(scope="module")
-def side_by_side(flashinfer_wheel, project_wheel, tmp_path_factory) -> FreshVenv:
+def side_by_side(project_wheel, tmp_path_factory) -> FreshVenv:
     """A fresh venv with FlashInfer's wheel installed, then this project's."""
-    return fresh_venv(tmp_path_factory.mktemp("side-by-side"), flashinfer_wheel, project_wheel)
+    return fresh_venv(tmp_path_factory.mktemp("side-by-side"), FLASHINFER_REQUIREMENT, project_wheel)
 
 
-def test_installs_side_by_side(side_by_side, one_layer_recipe, tmp_path):
+def test_installs_side_by_side(side_by_side, one_layer_recipe, one_layer_path, tmp_path):
     venv = side_by_side
     site_packages = venv.site_packages
-    # A cwd outside the repository: it may not put the sources on sys.path either.
-    in_venv = dict(cwd=tmp_path, env=venv.env)
-    assert imported_from(venv, tmp_path).is_relative_to(site_packages)
-
     ours = record_paths_and_hashes(site_packages, OURS)
     theirs = record_paths_and_hashes(site_packages, FLASHINFER)
     shim = site_packages / "b12x" / "__init__.py"
@@ -183,12 +191,17 @@ def test_installs_side_by_side(side_by_side, one_layer_recipe, tmp_path):
     assert damaged_files(theirs) == []
     assert damaged_files(ours) == []
 
-    b12x = venv.scripts / "b12x"
     recipe = tmp_path / "one-layer.yaml"  # one layer of each op kind: a fraction of the bundled tiny recipe's export
     recipe.write_text(yaml.safe_dump(one_layer_recipe.normalized()))
-    run_quietly(b12x, "export", "--recipe", recipe, "--out", tmp_path / "out", **in_venv)
-    run_quietly(b12x, "run", tmp_path / "out" / f"{one_layer_recipe.name}.b12x", "--prompt-ids", "1,2,3,4",
-                "--max-new-tokens", "4", **in_venv)
+    # A cwd outside the repository: it may not put the sources on sys.path either.
+    run_quietly(venv.scripts / "b12x", "export", "--recipe", recipe, "--out", tmp_path / "out", cwd=tmp_path, env=venv.env)
+    package = tmp_path / "out" / f"{one_layer_recipe.name}.b12x"
+    # Another install, process and folder give the package's bytes, weights included (the recipe's
+    # seeded initialisation), as the suite's own export of that recipe.
+    assert (package / "weights.safetensors").exists()
+    assert differences(one_layer_path, package) == []
+    run = ("run", package, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "4")
+    assert imported_from(venv, tmp_path, *run).is_relative_to(site_packages)
 
 
 def test_a_wheel_install_works_from_the_repository_root(side_by_side):
