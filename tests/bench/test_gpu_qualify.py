@@ -104,6 +104,9 @@ def test_the_cuda_rows_logic_holds_on_cpu_sessions(qualified, monkeypatch):
     ok, figure, detail = gpu_decode.tokens_vs_cpu(run)
     assert ok and figure == "logit error 0.00e+00", detail
     assert gpu_decode.steps_vs_cpu(run)[:2] == (True, "1.000x")
+    # The rows above keep their decodes; the rate row's timed rounds decode the workload anew,
+    # and its ratio is only reported: one prompt's first tokens show the same logic.
+    run.work = dict(run.work, prompts=run.work["prompts"][:1], new_tokens=4)
     assert re.fullmatch(r"[\d.]+x", gpu_decode.rates_graph_vs_eager(run)[1])
 
 
