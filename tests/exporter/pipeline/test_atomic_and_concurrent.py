@@ -2,81 +2,66 @@
 
 from __future__ import annotations
 
-import json
-import pickle
-import signal
-import subprocess
-import sys
-import textwrap
+import multiprocessing
+import os
 import threading
 import time
 
 import pytest
 import torch
-import yaml
 
-from b12x_toolchain.exporter.pipeline import export as export_module
+from b12x_toolchain.exporter.pipeline import package_writer
 from b12x_toolchain.exporter.pipeline.export import export_package
-from b12x_toolchain.exporter.pipeline.pass_export import run_jobs
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.serving.speculative import Decoder
 
 pytestmark = pytest.mark.slow(minutes=0.4)  # the module's time on two busy cores: longest runs first
 
-# The child exports the small recipe; fsync is slowed so the kill can land mid-write,
-# and it announces each phase on stdout so the parent knows what it interrupted. What is
-# killed is the package's writing, so the child takes its captured passes from the parent
-# (pickled pass outputs, `recorded_passes`) instead of tracing them again for a minute.
-CHILD = textwrap.dedent("""
-    import os, pickle, sys, time
-    from b12x_toolchain.exporter.pipeline import export as export_module, package_writer
-    from b12x_toolchain.exporter.pipeline.export import export_package
-    from b12x_toolchain.exporter.recipe.loader import load_recipe
+# The child, forked from this process, exports the small recipe; fsync is slowed so the kill
+# can land mid-write, and it announces each phase on a pipe so the parent knows what it
+# interrupted. Forked after `traced` exported the recipe here, it copies this process's
+# traces (trace_cache.py) instead of tracing the passes again: what is killed is the writing.
+FORK = multiprocessing.get_context("fork")
 
-    with open(sys.argv[3], "rb") as f:
-        recorded = pickle.load(f)
-    def replay_jobs(jobs, workers, on_start=None, on_done=None):
-        for job in jobs:
-            if on_start is not None:
-                on_start(job.label)
-            on_done(recorded[job.label])
-        return {job.label: recorded[job.label] for job in jobs}
-    export_module.run_jobs = replay_jobs
 
-    real_fsync = os.fsync
-    def slow_fsync(fd):
-        print("writing", flush=True)
+def _export_announcing(recipe, out, announce):
+    def slow_fsync(fd, real_fsync=os.fsync):
+        announce.send("writing")
         time.sleep(0.3)
         real_fsync(fd)
-    package_writer.os.fsync = slow_fsync
-    print("capturing", flush=True)
-    export_package(load_recipe(sys.argv[1]), sys.argv[2])
-    print("done", flush=True)
-""")
+
+    package_writer.os.fsync = slow_fsync  # in the child only: the parent's module is its own copy
+    announce.send("capturing")
+    export_package(recipe, out)
+    announce.send("done")
 
 
 @pytest.fixture(scope="module")
-def recorded_passes(small_recipe, tmp_path_factory):
-    """The small recipe's pass outputs, exported here and pickled for the child."""
-    recorded = {}
-
-    def recording(jobs, workers, on_start=None, on_done=None):
-        outputs = run_jobs(jobs, workers, on_start, on_done)
-        recorded.update(outputs)
-        return outputs
-
-    folder = tmp_path_factory.mktemp("recorded")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(export_module, "run_jobs", recording)
-        export_package(small_recipe, folder / "out")
-    path = folder / "passes.pickle"
-    path.write_bytes(pickle.dumps(recorded))
-    return path
+def traced(small_recipe, tmp_path_factory):
+    """The small recipe exported once in this process, so that every export after it copies its traces."""
+    return export_package(small_recipe, tmp_path_factory.mktemp("traced") / "out").path
 
 
-def _child(recipe, out, recorded_passes):
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(recipe), str(out), str(recorded_passes)],
-                            stdout=subprocess.PIPE, text=True)
+def _child(recipe, out):
+    """The child export and the parent's end of its pipe."""
+    phases, announce = FORK.Pipe(duplex=False)
+    child = FORK.Process(target=_export_announcing, args=(recipe, out, announce))
+    child.start()
+    announce.close()
+    return child, phases
+
+
+def _phases(phases):
+    while True:
+        try:
+            yield phases.recv()
+        except EOFError:
+            return
+
+
+def _kill(child):
+    child.kill()
+    child.join(timeout=60)
 
 
 def _package_state(out_dir):
@@ -88,41 +73,35 @@ def _package_state(out_dir):
 
 
 @pytest.mark.parametrize("phase, writes", [("capturing", 0), ("writing", 0), ("writing", 5)])  # 6 files: 5 = the manifest
-def test_export_killed_mid_way_leaves_no_partial_package(small_recipe, recorded_passes, tmp_path, phase, writes):
-    recipe = tmp_path / "small.yaml"
-    recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
+def test_export_killed_mid_way_leaves_no_partial_package(small_recipe, traced, tmp_path, phase, writes):
     out = tmp_path / "out"
-    child = _child(recipe, out, recorded_passes)
+    child, phases = _child(small_recipe, out)
     seen, reached = 0, False
-    for line in child.stdout:
-        if line.strip() == phase:
+    for line in _phases(phases):
+        if line == phase:
             seen += 1
             if seen > writes or phase == "capturing":
                 reached = True
                 break
     time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait(timeout=60)
-    assert reached, f"the child export ended before {phase} #{writes + 1} (exit status {child.returncode})"
+    _kill(child)
+    assert reached, f"the child export ended before {phase} #{writes + 1} (exit status {child.exitcode})"
     assert _package_state(out) == "absent"
     # Whatever was left is hidden scratch, never under the final name; a rerun succeeds.
     leftovers = [p.name for p in out.iterdir()] if out.exists() else []
     assert all(name.startswith(".dsv41-small.b12x.") for name in leftovers), leftovers
-    export_package(small_recipe, out)  # in this process: only the killed export needs a child
+    export_package(small_recipe, out)
     assert _package_state(out) == "complete"
 
 
-def test_export_killed_while_replacing_keeps_the_old_package_loadable(small_recipe, recorded_passes, tmp_path):
+def test_export_killed_while_replacing_keeps_the_old_package_loadable(small_recipe, traced, tmp_path):
     """Re-export over an existing package: at every moment the final name is absent or whole."""
-    recipe = tmp_path / "small.yaml"
-    recipe.write_text(yaml.safe_dump(small_recipe.normalized()))
     out = tmp_path / "out"
-    export_package(small_recipe, out)  # in this process: only the killed export needs a child
-    child = _child(recipe, out, recorded_passes)
-    writing = any(line.strip() == "writing" for line in child.stdout)  # stops reading at the first write
-    child.send_signal(signal.SIGKILL)
-    child.wait(timeout=60)
-    assert writing, f"the child export ended before writing (exit status {child.returncode})"
+    export_package(small_recipe, out)
+    child, phases = _child(small_recipe, out)
+    writing = any(line == "writing" for line in _phases(phases))  # stops reading at the first write
+    _kill(child)
+    assert writing, f"the child export ended before writing (exit status {child.exitcode})"
     assert _package_state(out) == "complete"
 
 
@@ -148,21 +127,21 @@ def test_two_sessions_in_two_threads_match_sequential_runs(fused_pkg):
     assert threaded == sequential
 
 
-LOADER = textwrap.dedent("""
-    import json, sys
-    from b12x_toolchain.runtime import load
-    from b12x_toolchain.runtime.serving.speculative import Decoder
-    pkg = load(sys.argv[1])
-    print(json.dumps(Decoder(pkg.session(slots=1)).generate([[3, 1, 4, 1, 5]], 8)))
-""")
+def _load_and_generate(path, results):
+    pkg = load(path)
+    results.send(Decoder(pkg.session(slots=1)).generate([[3, 1, 4, 1, 5]], 8))
 
 
 def test_loading_one_package_from_several_processes_at_once(fused_path):
-    children = [subprocess.Popen([sys.executable, "-c", LOADER, str(fused_path)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    outputs = []
+    pipes = [FORK.Pipe(duplex=False) for _ in range(3)]
+    children = [FORK.Process(target=_load_and_generate, args=(fused_path, sender)) for _, sender in pipes]
     for child in children:
-        stdout, stderr = child.communicate(timeout=600)
-        assert child.returncode == 0, stderr
-        outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+        child.start()
+    outputs = []
+    for child, (receiver, sender) in zip(children, pipes):
+        sender.close()
+        assert receiver.poll(600), f"a loading process sent nothing (exit status {child.exitcode})"
+        outputs.append(receiver.recv())
+        child.join(timeout=60)
+        assert child.exitcode == 0
     assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0][0]) == 8
