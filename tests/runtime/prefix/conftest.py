@@ -9,9 +9,7 @@ import shutil
 
 import pytest
 
-from b12x_toolchain.exporter.pipeline.export import export_package
 from b12x_toolchain.exporter.pipeline.package_writer import manifest_digest, weights_bytes
-from b12x_toolchain.exporter.recipe.variants import recipe_variant
 from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.package.reader import Package
 
@@ -30,13 +28,6 @@ def other_weights_pkg(small_pkg, small_path, tmp_path_factory):
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return load(target)
-
-
-@pytest.fixture(scope="session")
-def bf16_window_pkg(small_recipe, tmp_path_factory):
-    """The small recipe with its window rings in bf16 instead of MXFP8: another cache format."""
-    recipe = recipe_variant(small_recipe, {"cache.window_format": "bf16"})
-    return load(export_package(recipe, tmp_path_factory.mktemp("bf16")).path)
 
 
 def with_manifest(package, **changes) -> Package:

@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from b12x_toolchain.exporter.cli.main import main
+from b12x_toolchain.runtime import load
 from b12x_toolchain.runtime.prefix.cache import PrefixCache
 from b12x_toolchain.runtime.prefix.l2 import L2Store
 from b12x_toolchain.runtime.serving.speculative import Decoder
@@ -142,13 +143,15 @@ def test_without_rotating_snapshots_only_unwrapped_windows_are_used(small_pkg, p
     cache.close()
 
 
-def test_snapshots_of_other_weights_formats_or_recipes_miss(small_pkg, other_weights_pkg, bf16_window_pkg,
-                                                            prompt, tmp_path):
+def test_snapshots_of_other_weights_formats_or_recipes_miss(small_pkg, other_weights_pkg, chat_path, prompt, tmp_path):
     with PrefixCache(small_pkg, l2_dir=tmp_path, write_behind=False) as filler:
         run(small_pkg, [prompt[:150]], filler)
     other_recipe = with_manifest(small_pkg, recipe_sha256="0" * 64)
     assert other_weights_pkg.manifest.recipe_sha256 == small_pkg.manifest.recipe_sha256
-    for package in (other_weights_pkg, bf16_window_pkg, other_recipe):
+    # The small model with float32 caches (and the shipped tokenizer's vocabulary): other formats.
+    other_formats = load(chat_path)
+    assert other_formats.manifest.recipe["cache"]["window_format"] != small_pkg.manifest.recipe["cache"]["window_format"]
+    for package in (other_weights_pkg, other_formats, other_recipe):
         with PrefixCache(package, l2_dir=tmp_path, write_behind=False) as cache:
             got = run(package, [prompt[:150]], cache)[0]
             s = cache.stats_dict()
