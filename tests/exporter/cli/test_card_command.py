@@ -7,7 +7,6 @@ structural export takes minutes.
 
 from __future__ import annotations
 
-import json
 import time
 from types import SimpleNamespace
 
