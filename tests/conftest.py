@@ -99,12 +99,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Modules whose exports trace the same passes with other weights run on one worker, so the
-# later export copies the earlier one's traces (trace_cache.py keeps them per process): the
-# V4 small model in fp32 is imported from transformers' checkpoint by test_v4_fidelity and
-# drawn from the v4_reference seed by dsv4_small_path.
-SAME_TRACES = {module: "dsv4-small-fp32" for module in (
-    "tests/exporter/model/test_v4_fidelity.py", "tests/runtime/package/test_graph_loader.py", "tests/bench/test_benchmarks.py")}
+# Modules whose exports trace the same passes run on one worker, so the later export copies
+# the earlier one's traces (trace_cache.py keeps them per process): the V4 small model in fp32
+# is imported from transformers' checkpoint by test_v4_fidelity and drawn from the v4_reference
+# seed by dsv4_small_path; the small recipe is exported in the test's own process by the
+# killed-export, rewrite-table and tampered `export --check` tests.
+SAME_TRACES = {
+    **{module: "dsv4-small-fp32" for module in (
+        "tests/exporter/model/test_v4_fidelity.py", "tests/runtime/package/test_graph_loader.py",
+        "tests/bench/test_benchmarks.py")},
+    **{module: "dsv41-small" for module in (
+        "tests/exporter/pipeline/test_atomic_and_concurrent.py", "tests/exporter/cli/test_cli_and_examples.py",
+        "tests/robustness/test_untrusted_packages.py")},
+}
 
 
 def pytest_xdist_make_scheduler(config, log):
