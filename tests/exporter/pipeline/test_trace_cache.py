@@ -39,30 +39,30 @@ def _counted(job):
     return graph, {k: trace_cache.counts[k] - before[k] for k in before}
 
 
-def test_a_second_export_of_a_pass_copies_the_trace_and_writes_the_same_bytes(tiny_recipe, reusing):
-    # draft has window-snapshot sites in dsv41-tiny, so its fused and unfused graphs differ.
+def test_a_second_export_of_a_pass_copies_the_trace_and_writes_the_same_bytes(one_layer_recipe, reusing):
+    # draft has a window-snapshot site in the one-layer recipe, so its fused and unfused graphs differ.
     with trace_cache.tracing_every_time():
-        fresh_fused = export_pass(_job(tiny_recipe, "draft")).graph
-        fresh_unfused = export_pass(_job(tiny_recipe, "draft", [])).graph
+        fresh_fused = export_pass(_job(one_layer_recipe, "draft")).graph
+        fresh_unfused = export_pass(_job(one_layer_recipe, "draft", [])).graph
     assert fresh_fused != fresh_unfused
-    first, counted = _counted(_job(tiny_recipe, "draft"))
+    first, counted = _counted(_job(one_layer_recipe, "draft"))
     assert counted == {"hits": 0, "misses": 1} and first == fresh_fused
     # The first export's rewrites changed its own program, not the one kept.
-    unfused, counted = _counted(_job(tiny_recipe, "draft", []))
+    unfused, counted = _counted(_job(one_layer_recipe, "draft", []))
     assert counted == {"hits": 1, "misses": 0} and unfused == fresh_unfused
-    again, counted = _counted(_job(tiny_recipe, "draft"))
+    again, counted = _counted(_job(one_layer_recipe, "draft"))
     assert counted == {"hits": 1, "misses": 0} and again == fresh_fused
 
 
-def test_weights_of_other_values_share_a_trace_and_other_shapes_or_fakes_do_not(tiny_recipe, reusing):
-    d = Dims.from_recipe(tiny_recipe)
+def test_weights_of_other_values_share_a_trace_and_other_shapes_or_fakes_do_not(one_layer_recipe, reusing):
+    d = Dims.from_recipe(one_layer_recipe)
     seeded = {seed: init_weights(d, seed) for seed in (0, 1)}
-    _, counted = _counted(_job(tiny_recipe, "commit", weights=seeded[0]))
+    _, counted = _counted(_job(one_layer_recipe, "commit", weights=seeded[0]))
     assert counted["misses"] == 1
-    _, counted = _counted(_job(tiny_recipe, "commit", weights=seeded[1]))
+    _, counted = _counted(_job(one_layer_recipe, "commit", weights=seeded[1]))
     assert counted == {"hits": 1, "misses": 0}
     # Structural (fake) weights are traced on their own, so a test comparing the two compares two traces.
-    _, counted = _counted(_job(tiny_recipe, "commit"))
+    _, counted = _counted(_job(one_layer_recipe, "commit"))
     assert counted == {"hits": 0, "misses": 1}
     key = trace_cache.trace_key(d, "commit", None, seeded[0])
     other = {**seeded[0], "model.norm.weight": seeded[0]["model.norm.weight"].to(torch.float64)}
@@ -71,12 +71,12 @@ def test_weights_of_other_values_share_a_trace_and_other_shapes_or_fakes_do_not(
     assert trace_cache.trace_key(d, "verify", None, seeded[0]) != key
 
 
-def test_off_by_default_and_off_inside_tracing_every_time(tiny_recipe, reusing):
+def test_off_by_default_and_off_inside_tracing_every_time(one_layer_recipe, reusing):
     with trace_cache.tracing_every_time():
-        _, counted = _counted(_job(tiny_recipe, "commit"))
+        _, counted = _counted(_job(one_layer_recipe, "commit"))
     assert counted == {"hits": 0, "misses": 0} and not trace_cache._entries
     trace_cache.reuse_traces(False)
-    _, counted = _counted(_job(tiny_recipe, "commit"))
+    _, counted = _counted(_job(one_layer_recipe, "commit"))
     assert counted == {"hits": 0, "misses": 0} and not trace_cache._entries
 
 
