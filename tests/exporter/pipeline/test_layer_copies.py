@@ -2,8 +2,10 @@
 
 Toy modules show the mechanism (the graph before stitching, and after it compared with the
 graph expected, the direct capture's; numbers against the module itself; refusals); a
-recipe with every layer kind repeated shows it on the model, for a pass of each cache
-access (direct, staged) and for the draft stages.
+recipe with every layer kind repeated shows it on the model's verify pass (every target
+layer kind, its staging written in place) and on the draft stages. Prefill and decode copy
+the same layer kinds, writing the caches themselves in place; there a wrong copy shows in
+the numbers of the tiny recipe's tests (five layer halves of its prefill are copies), not here.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def repeated():
     return Dims.from_recipe(recipe_from_dict(data))
 
 
-@pytest.mark.parametrize("name, copies", [("prefill", 10), ("verify", 10), ("draft", 2)])
+@pytest.mark.parametrize("name, copies", [("verify", 10), ("draft", 2)])
 def test_copied_layers_give_the_graph_of_a_direct_capture(repeated, name, copies, monkeypatch):
     made = []
     monkeypatch.setattr(capture_module, "stitch", lambda program, graph: made.append(stitch(program, graph).matches))
