@@ -110,15 +110,15 @@ def _generate(pkg, prompts, results, key):
     results[key] = decoder.generate(prompts, 16)
 
 
-def test_two_sessions_in_two_threads_match_sequential_runs(fused_pkg):
+def test_two_sessions_in_two_threads_match_sequential_runs(small_pkg):
     gen = torch.Generator().manual_seed(21)
     prompts_a = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (30, 170)]
     prompts_b = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 90, 140)]
     sequential = {}
-    _generate(fused_pkg, prompts_a, sequential, "a")
-    _generate(fused_pkg, prompts_b, sequential, "b")
+    _generate(small_pkg, prompts_a, sequential, "a")
+    _generate(small_pkg, prompts_b, sequential, "b")
     threaded = {}
-    threads = [threading.Thread(target=_generate, args=(fused_pkg, p, threaded, k))
+    threads = [threading.Thread(target=_generate, args=(small_pkg, p, threaded, k))
                for k, p in (("a", prompts_a), ("b", prompts_b))]
     for t in threads:
         t.start()
@@ -132,9 +132,9 @@ def _load_and_generate(path, results):
     results.send(Decoder(pkg.session(slots=1)).generate([[3, 1, 4, 1, 5]], 8))
 
 
-def test_loading_one_package_from_several_processes_at_once(fused_path):
+def test_loading_one_package_from_several_processes_at_once(small_path):
     pipes = [FORK.Pipe(duplex=False) for _ in range(3)]
-    children = [FORK.Process(target=_load_and_generate, args=(fused_path, sender)) for _, sender in pipes]
+    children = [FORK.Process(target=_load_and_generate, args=(small_path, sender)) for _, sender in pipes]
     for child in children:
         child.start()
     outputs = []
