@@ -97,10 +97,6 @@ def _steps_table(steps: list) -> Table:
 def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, show_steps, show_ids, **flags):
     """Serve prompts from a package on CPU (or --device): many requests over reused slots, with a final report.
     A parallel package runs one process per rank (--nproc, through torchrun); rank 0 reports."""
-    from b12x_toolchain.runtime import PackageError
-    from b12x_toolchain.runtime.parallel.control import RankLost
-    from b12x_toolchain.runtime.session.validate import InputError
-
     if not prompts and not prompt_ids and not prompt_files:
         raise click.UsageError("give at least one prompt: --prompt, --prompt-ids or --prompts")
     options = engine_options(flags)
@@ -109,7 +105,11 @@ def run(package, prompts, prompt_ids, prompt_files, max_new_tokens, stop_ids, sh
         items = _requests(prompts, prompt_ids, prompt_files, Defaults(max_new_tokens, stop))
     except PromptError as exc:
         raise click.BadParameter(str(exc)) from None
-    ranks.launch_if_asked(package, flags, stream=False)
+    ranks.launch_if_asked(package, flags, stream=False)  # a launcher that imports no torch
+    from b12x_toolchain.runtime.errors import PackageError
+    from b12x_toolchain.runtime.parallel.control import RankLost
+    from b12x_toolchain.runtime.session.validate import InputError
+
     try:
         outcome = _serve(package, items, options, flags)
     except (PackageError, InputError, ValueError, OSError, RankLost) as exc:

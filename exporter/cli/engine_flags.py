@@ -67,7 +67,9 @@ def engine_flags(command):
 
 def engine_options(flags: dict) -> EngineOptions:
     """The EngineOptions of the flags' values; a combination that cannot work is a usage error,
-    before anything loads. Sets torch's thread count when --threads is given."""
+    before anything loads. Sets torch's thread count when --threads is given, except in a
+    command that only launches ranks (--nproc): each rank sets its own, and the launcher
+    imports no torch."""
     options = dict(device=flags["device"], slots=flags["slots"], pages=flags["pages"],
                    cache_bytes=flags["cache_bytes"], speculative=not flags["greedy"],
                    adaptive=not flags["always_draft"],
@@ -78,8 +80,14 @@ def engine_options(flags: dict) -> EngineOptions:
     if problems:
         raise click.UsageError("; ".join(problems))
     built = EngineOptions(**options)
-    if flags["threads"] is not None:
+    if flags["threads"] is not None and not _launches_ranks(flags):
         import torch
 
         torch.set_num_threads(flags["threads"])
     return built
+
+
+def _launches_ranks(flags: dict) -> bool:
+    from b12x_toolchain.exporter.cli.ranks import launched_rank
+
+    return flags.get("nproc") is not None and launched_rank() is None

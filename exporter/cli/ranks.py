@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import click
 
@@ -66,8 +67,15 @@ def launched_rank() -> int | None:
 
 
 def check_world(package: str, nproc: int, nnodes: int) -> None:
-    """Refuse, before launching, a world the package was not exported for."""
-    from b12x_toolchain.runtime import PackageError
+    """Refuse, before launching, a world the package was not exported for.
+
+    The world size is read from manifest.json as plain JSON, so the launcher imports no torch
+    (seconds of its start, on every node); every rank checks the whole package as it loads.
+    Only a size that differs, or a manifest that cannot be read so, is checked here in full,
+    to say what the package is."""
+    if _declared_world(package) == nproc * nnodes:
+        return
+    from b12x_toolchain.runtime.errors import PackageError
     from b12x_toolchain.runtime.package.reader import read_manifest
 
     try:
@@ -79,6 +87,17 @@ def check_world(package: str, nproc: int, nnodes: int) -> None:
     if world != exported:
         what = "one device" if parallel is None else parallel.describe()
         fail(f"--nproc {nproc} x --nnodes {nnodes} makes world size {world}; {package} was exported for {what}")
+
+
+def _declared_world(package: str) -> int | None:
+    """The world size manifest.json states (1 without a parallel section), or None when it
+    cannot be read as such."""
+    try:
+        parallel = json.loads((Path(package) / "manifest.json").read_bytes()).get("parallel")
+        world = 1 if parallel is None else parallel["world_size"]
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return None
+    return world if type(world) is int else None
 
 
 def launch_if_asked(package: str, flags: dict, stream: bool) -> None:

@@ -1,6 +1,7 @@
 """`b12x run --nproc 2`: torchrun starts one process per rank of a parallel package, rank 0
 reports, and the tokens are one device's. A world the package was not exported for is
-refused before anything starts, and a rank's bad input is one error line, no traceback.
+refused before anything starts, a rank's bad input is one error line, no traceback, and the
+launcher itself imports no torch.
 (`b12x export` of a parallel recipe reporting every rank's passes: test_parallel_packages,
 whose structural package is that command's export.)"""
 
@@ -65,3 +66,27 @@ def test_a_ranks_bad_input_is_one_error_line(chat_parallel):
     assert "Traceback" not in bad.stderr
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "99999" in lines[0], bad.stderr
+
+
+LAUNCHER = """
+import sys
+from b12x_toolchain.exporter.cli import ranks
+from b12x_toolchain.exporter.cli.main import main
+
+def launched(flags, stream):
+    print("launched", flags["nproc"], "torch" in sys.modules)
+    sys.exit(0)
+
+ranks.launch = launched
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("command", [["run", "--prompt-ids", PROMPT, "--threads", "1"], ["serve"]])
+def test_the_launcher_imports_no_torch(chat_parallel, command):
+    """What a user starts with --nproc checks the world and hands over to torchrun without
+    importing torch (seconds on every node); the ranks import it and check the package."""
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, command[0], str(chat_parallel), *command[1:], "--nproc", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "launched 2 False"
