@@ -91,10 +91,17 @@ def check_world(package: str, nproc: int, nnodes: int) -> None:
 
 def _declared_world(package: str) -> int | None:
     """The world size manifest.json states (1 without a parallel section), or None when it
-    cannot be read as such."""
+    cannot be read as such or its digest does not match (an edited manifest is then refused
+    by the full check, once, rather than by every rank)."""
+    from b12x_toolchain.runtime import strict_json
+    from b12x_toolchain.runtime.package.manifest_digest import digest
+
     try:
-        parallel = json.loads((Path(package) / "manifest.json").read_bytes()).get("parallel")
+        data = strict_json.loads((Path(package) / "manifest.json").read_bytes())
+        parallel = data.get("parallel")
         world = 1 if parallel is None else parallel["world_size"]
+        if data.get("manifest_sha256") != digest(data):
+            return None
     except (OSError, ValueError, AttributeError, TypeError, KeyError):
         return None
     return world if type(world) is int else None

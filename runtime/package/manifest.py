@@ -12,7 +12,6 @@ Every refusal is a PackageError naming the field and what was expected.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
 from b12x_toolchain.runtime.package.contract import BufferInfo
 from b12x_toolchain.runtime.package.conventions import PassEntry, read_passes, shared_buffers
+from b12x_toolchain.runtime.package.manifest_digest import digest  # noqa: F401  (re-exported)
 from b12x_toolchain.runtime.package.manifest_sections import (  # noqa: F401
     WHERE,
     ModelFacts,
@@ -62,12 +62,6 @@ REEXPORT = "re-export it with this version of b12x (b12x export --recipe RECIPE)
 FIELDS = ("format_version", "opset_version", "name", "recipe", "recipe_sha256", "model", "passes", "buffers",
           "cache_formats", "abi_fingerprint", "rewrites", "weights", "versions", "files", "manifest_sha256")
 OPTIONAL = ("parallel", "tokenizer")  # a package for one device has no parallel; one without text no tokenizer
-
-
-def digest(data: dict) -> str:
-    """sha256 of a manifest's JSON without its own digest: catches a flipped byte in it."""
-    body = {k: v for k, v in data.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def abi_fingerprint(passes: dict[str, PassEntry], buffers: dict[str, BufferInfo], cache_formats: dict,

@@ -7,7 +7,9 @@ whose structural package is that command's export.)"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -58,6 +60,18 @@ def test_a_world_the_package_was_not_exported_for_is_refused_before_launch(chat_
                                     "exported for tensor 2, expert 2 (world size 2)")
     one_device = b12x_here(chat_path, "--nproc", 2, "--prompt-ids", PROMPT)
     assert one_device.exit_code == 1 and "was exported for one device" in one_device.stderr
+
+
+def test_an_edited_manifest_is_refused_before_launch(chat_parallel, tmp_path):
+    """The launcher reads the world size as plain JSON, but only from a manifest whose digest
+    holds: an edited one is checked in full and refused once, before any rank starts."""
+    edited = shutil.copytree(chat_parallel, tmp_path / chat_parallel.name)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["recipe"]["model"]["rope_theta"] = 12345.0
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    refused = b12x_here(edited, "--nproc", 2, "--prompt-ids", PROMPT)
+    assert refused.exit_code == 1 and refused.stdout == ""
+    assert refused.stderr.strip() == "error: manifest.json: manifest_sha256 does not match its contents (corrupted or edited)"
 
 
 def test_a_ranks_bad_input_is_one_error_line(chat_parallel):
