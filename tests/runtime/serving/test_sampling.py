@@ -77,9 +77,10 @@ def test_first_speculative_token_follows_the_target_distribution(p_and_q):
     assert overlap < 0.9, f"p and q overlap {overlap:.2f}: too similar for the test to tell samplers apart"
     samples = 20000  # with SEED: enough for every token's expected count and to reject the mistakes below
     assert chi_square_p_value(first_tokens(accept_sampled, p, q, samples, SEED), p[0]) > P_VALUE
-    # The same test rejects samplers that are close but wrong, so passing it means something.
+    # The same test rejects samplers that are close but wrong, so passing it means something
+    # (a quarter of the samples already rejects them by far).
     for wrong in (resample_from_p, keep_every_draft):
-        assert chi_square_p_value(first_tokens(wrong, p, q, samples, SEED), p[0]) < 1e-9, wrong.__name__
+        assert chi_square_p_value(first_tokens(wrong, p, q, samples // 4, SEED), p[0]) < 1e-9, wrong.__name__
 
 
 def test_engine_samples_the_target_distribution_end_to_end(vocab16):
