@@ -32,9 +32,10 @@ def release_scheme(block: int, activation: str) -> dict:
     return section
 
 
-def v4_recipe(activation: str):
-    return small_v4_recipe({**FP32_CACHES, **NO_DECODE, "weights": release_scheme(128, activation)},
-                           name=f"dsv4-small-release-{activation}")
+def v4_recipe():
+    """The small V4 model in the V4 release's formats (128x128 blocks) under DeepSeek's activation rule."""
+    return small_v4_recipe({**FP32_CACHES, **NO_DECODE, "weights": release_scheme(128, "deepseek")},
+                           name="dsv4-small-release-deepseek")
 
 
 def release_checkpoint(run_dir: Path) -> Path:
@@ -50,7 +51,7 @@ RECIPE_FILE = "release.yaml"  # beside the folder of the package from_hf_export 
 
 
 def from_hf_export(run_dir: Path) -> Path:
-    """v4_recipe("deepseek")'s package, made once per run from the release checkpoint with the
+    """v4_recipe()'s package, made once per run from the release checkpoint with the
     command line: `recipe from-hf` (its template supplying the caches and passes), then
     `export --checkpoint` with the recipe written. A user's path, and test_from_hf_weights' round trip."""
     checkpoint = release_checkpoint(run_dir)
@@ -61,7 +62,7 @@ def from_hf_export(run_dir: Path) -> Path:
         return result
 
     def build(out):
-        recipe = v4_recipe("deepseek")
+        recipe = v4_recipe()
         template = out / "template.yaml"
         template.write_text(yaml.safe_dump(small_v4_recipe({**FP32_CACHES, **NO_DECODE}, "template").normalized()))
         cli("recipe", "from-hf", checkpoint, "--template", template, "--name", recipe.name, "--out", out / RECIPE_FILE)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import click
 
+from b12x_toolchain.exporter.cli.ranks import launches_ranks
 from b12x_toolchain.runtime.serving.options import (
     DEFAULT_PREFIX_CACHE_BYTES,
     EngineOptions,
@@ -80,14 +81,8 @@ def engine_options(flags: dict) -> EngineOptions:
     if problems:
         raise click.UsageError("; ".join(problems))
     built = EngineOptions(**options)
-    if flags["threads"] is not None and not _launches_ranks(flags):
+    if flags["threads"] is not None and not launches_ranks(flags):
         import torch
 
         torch.set_num_threads(flags["threads"])
     return built
-
-
-def _launches_ranks(flags: dict) -> bool:
-    from b12x_toolchain.exporter.cli.ranks import launched_rank
-
-    return flags.get("nproc") is not None and launched_rank() is None

@@ -69,10 +69,10 @@ def launched_rank() -> int | None:
 def check_world(package: str, nproc: int, nnodes: int) -> None:
     """Refuse, before launching, a world the package was not exported for.
 
-    The world size is read from manifest.json as plain JSON, so the launcher imports no torch
-    (seconds of its start, on every node); every rank checks the whole package as it loads.
-    Only a size that differs, or a manifest that cannot be read so, is checked here in full,
-    to say what the package is."""
+    The world size is read from manifest.json as strict JSON whose digest holds, so the
+    launcher imports no torch (seconds of its start, on every node); every rank checks the
+    whole package as it loads. Only a size that differs, or a manifest that cannot be read so,
+    is checked here in full, to say what the package is (or what is wrong with it)."""
     if _declared_world(package) == nproc * nnodes:
         return
     from b12x_toolchain.runtime.errors import PackageError
@@ -94,22 +94,27 @@ def _declared_world(package: str) -> int | None:
     cannot be read as such or its digest does not match (an edited manifest is then refused
     by the full check, once, rather than by every rank)."""
     from b12x_toolchain.runtime import strict_json
-    from b12x_toolchain.runtime.package.manifest_digest import digest
+    from b12x_toolchain.runtime.package.manifest_digest import digest_holds
 
     try:
         data = strict_json.loads((Path(package) / "manifest.json").read_bytes())
         parallel = data.get("parallel")
         world = 1 if parallel is None else parallel["world_size"]
-        if data.get("manifest_sha256") != digest(data):
+        if not digest_holds(data):
             return None
     except (OSError, ValueError, AttributeError, TypeError, KeyError):
         return None
     return world if type(world) is int else None
 
 
+def launches_ranks(flags: dict) -> bool:
+    """Whether this process is the command a user ran with --nproc (not one of its ranks)."""
+    return flags.get("nproc") is not None and launched_rank() is None
+
+
 def launch_if_asked(package: str, flags: dict, stream: bool) -> None:
     """In the command a user ran with --nproc: check the world, run every rank, exit with their status."""
-    if flags["nproc"] is None or launched_rank() is not None:
+    if not launches_ranks(flags):
         return
     check_world(package, flags["nproc"], flags["nnodes"])
     launch(flags, stream)

@@ -21,7 +21,7 @@ from b12x_toolchain.runtime.package.abi import contract, fingerprint
 from b12x_toolchain.runtime.package.cache_formats import check_cache_formats
 from b12x_toolchain.runtime.package.contract import BufferInfo
 from b12x_toolchain.runtime.package.conventions import PassEntry, read_passes, shared_buffers
-from b12x_toolchain.runtime.package.manifest_digest import digest  # noqa: F401  (re-exported)
+from b12x_toolchain.runtime.package.manifest_digest import digest, digest_holds
 from b12x_toolchain.runtime.package.manifest_sections import (  # noqa: F401
     WHERE,
     ModelFacts,
@@ -135,7 +135,7 @@ class Manifest:
         if not isinstance(data, dict):
             raise PackageError(f"{WHERE}: top level is not an object")
         check_versions(data)
-        if data.get("manifest_sha256") != digest(data):
+        if not digest_holds(data):
             raise PackageError(f"{WHERE}: manifest_sha256 does not match its contents (corrupted or edited)")
         passes_json = _check_fingerprint(data)
         passes, buffers = read_passes(passes_json, data.get("buffers"))

@@ -63,7 +63,7 @@ def test_a_world_the_package_was_not_exported_for_is_refused_before_launch(chat_
 
 
 def test_an_edited_manifest_is_refused_before_launch(chat_parallel, tmp_path):
-    """The launcher reads the world size as plain JSON, but only from a manifest whose digest
+    """The launcher reads the world size as strict JSON, but only from a manifest whose digest
     holds: an edited one is checked in full and refused once, before any rank starts."""
     edited = shutil.copytree(chat_parallel, tmp_path / chat_parallel.name)
     manifest = json.loads((edited / "manifest.json").read_text())

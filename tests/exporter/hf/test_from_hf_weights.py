@@ -136,7 +136,7 @@ def test_from_hf_then_export_checkpoint_round_trips(checkpoint, run_dir):
     written = load_recipe(path.parents[1] / RECIPE_FILE)
     assert written.model == small_v4_recipe().model and written.weights == WeightsSpec.model_validate(V4_WEIGHTS)
     # The rest is the template's, which --template gave: fp32 caches, no decode pass.
-    assert written.normalized() == v4_recipe("deepseek").normalized()
+    assert written.normalized() == v4_recipe().normalized()
     package = load(path)
     # Stored as the checkpoint stores them: FP8 data with UE8M0 scales, packed FP4 experts, BF16.
     assert package.weights["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn

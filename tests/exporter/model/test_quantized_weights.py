@@ -57,7 +57,7 @@ def reference(checkpoint):
 @pytest.fixture(scope="module")
 def deepseek_pkg(run_dir):
     package = load(from_hf_export(run_dir))
-    assert package.manifest.recipe == v4_recipe("deepseek").normalized()  # the recipe this module means
+    assert package.manifest.recipe == v4_recipe().normalized()  # the recipe this module means
     return package
 
 
@@ -173,7 +173,7 @@ RELEASE_NAMES = {  # b12x weight -> the release tensors it holds (routed experts
 
 def test_package_weight_bytes_are_the_checkpoints(deepseek_pkg, checkpoint):
     """Every stored tensor is the checkpoint's, byte for byte: no float32 copy anywhere."""
-    pkg, recipe = deepseek_pkg, v4_recipe("deepseek")
+    pkg, recipe = deepseek_pkg, v4_recipe()
     stored = load_weights_bytes((pkg.path / "weights.safetensors").read_bytes(), "weights.safetensors")
     release = checkpoint[1]
     assert sum(t.nbytes for t in stored.values()) == sum(t.nbytes for t in release.values())

@@ -135,11 +135,11 @@ def _load_and_generate(path, results):
 def test_loading_one_package_from_several_processes_at_once(small_path):
     pipes = [FORK.Pipe(duplex=False) for _ in range(3)]
     children = [FORK.Process(target=_load_and_generate, args=(small_path, sender)) for _, sender in pipes]
-    for child in children:
+    for child, (_, sender) in zip(children, pipes):
         child.start()
+        sender.close()  # the child holds its own end: a child that dies unheard is an EOF at once
     outputs = []
-    for child, (receiver, sender) in zip(children, pipes):
-        sender.close()
+    for child, (receiver, _) in zip(children, pipes):
         assert receiver.poll(600), f"a loading process sent nothing (exit status {child.exitcode})"
         outputs.append(receiver.recv())
         child.join(timeout=60)
