@@ -103,14 +103,15 @@ def pytest_collection_modifyitems(config, items):
 # the earlier one's traces (trace_cache.py keeps them per process): the V4 small model in fp32
 # is imported from transformers' checkpoint by test_v4_fidelity and drawn from the v4_reference
 # seed by dsv4_small_path; the small recipe is exported in the test's own process by the
-# killed-export, rewrite-table and tampered `export --check` tests.
+# killed-export, rewrite-table and tampered `export --check` tests, and as small_path (fused and
+# unfused) by the first test of the group: test_gpu_qualify's, the group's longest.
 SAME_TRACES = {
     **{module: "dsv4-small-fp32" for module in (
         "tests/exporter/model/test_v4_fidelity.py", "tests/runtime/package/test_graph_loader.py",
         "tests/bench/test_benchmarks.py")},
     **{module: "dsv41-small" for module in (
         "tests/exporter/pipeline/test_atomic_and_concurrent.py", "tests/exporter/cli/test_cli_and_examples.py",
-        "tests/robustness/test_untrusted_packages.py")},
+        "tests/robustness/test_untrusted_packages.py", "tests/bench/test_gpu_qualify.py")},
 }
 
 
