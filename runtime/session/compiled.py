@@ -142,12 +142,13 @@ class CompiledGraph:
         from torch._inductor.compile_fx import compile_fx
 
         graph = copy.deepcopy(self.graph)  # buckets (and the uncompiled replay) share the package's graph
-        lower_for_inductor(graph)
+        cpu = all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+        lower_for_inductor(graph, cpu=cpu)
         context, fakes = _static_fakes(args)
         with _inductor_cache(self.directory), context:
             # Inductor's own decompositions; graph order kept (see INDUCTOR_CONFIG).
             patches = {**INDUCTOR_CONFIG, "unsafe_marked_cacheable_functions": marked_cacheable(graph)}
-            if all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)):
+            if cpu:
                 patches.update(CPU_CONFIG)
             self._compiled = compile_fx(graph, fakes, config_patches=patches)
 
@@ -157,15 +158,21 @@ class CompiledGraph:
         return self._compiled(*args)
 
 
-def lower_for_inductor(graph: torch.fx.GraphModule) -> list[RewriteResult]:
+def lower_for_inductor(graph: torch.fx.GraphModule, cpu: bool = False) -> list[RewriteResult]:
     """Open the op set's elementwise work to Inductor: pure ops become calls of their
     references (reference_ops.py) and each cache write that encodes becomes the encoding plus
     a byte copy (split_encoding_writes.py). The ops that scatter or select by data stay
-    themselves. Returns each rewrite's result."""
+    themselves; for the CPU's C++ wrapper, called with their strings as integers
+    (code_string_arguments.py). Returns each rewrite's result."""
     # Imported here: the rewrite kit imports networkx, which a session that compiles nothing
     # would otherwise import before its first token.
     from b12x_toolchain.runtime.rewrite import run_rewrites
     from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
     from b12x_toolchain.runtime.session.split_encoding_writes import SPLIT_ENCODING_WRITES
 
-    return run_rewrites(graph, [INLINE_REFERENCES, SPLIT_ENCODING_WRITES], "compiled replay")
+    rewrites = [INLINE_REFERENCES, SPLIT_ENCODING_WRITES]
+    if cpu:
+        from b12x_toolchain.runtime.session.code_string_arguments import CODE_STRING_ARGUMENTS
+
+        rewrites.append(CODE_STRING_ARGUMENTS)
+    return run_rewrites(graph, rewrites, "compiled replay")

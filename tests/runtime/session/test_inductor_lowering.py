@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from b12x_toolchain.runtime import load
+from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 from b12x_toolchain.runtime.ops.opset import RAW_BYTES, gather_rows, ops, round_trip, window_read
 from b12x_toolchain.runtime.rewrite import RewriteResult, named_args
+from b12x_toolchain.runtime.session.code_string_arguments import TWIN_NAMESPACE, code, coded_arguments
 from b12x_toolchain.runtime.session.compiled import lower_for_inductor
 from b12x_toolchain.runtime.session.reference_ops import INLINE_REFERENCES
 from b12x_toolchain.runtime.session.split_encoding_writes import encode_rows
@@ -124,12 +126,34 @@ def test_the_lowered_graph_differs_only_where_it_should(small_path, pass_name):
     assert len(split) == len(encoding)
 
 
-def test_the_lowered_graphs_compute_the_same_bytes(small_path):
+def test_for_the_cpu_every_string_or_list_argument_is_coded(small_path):
+    """The C++ wrapper calls an op through the C shim only without str or int[] arguments
+    (code_string_arguments.py): lowered for the CPU, no call of the op set takes one, each
+    such call is one of its twin's with the same arguments but those, coded."""
+    before = load(small_path).passes["decode"].program.graph_module
+    after = copy.deepcopy(before)
+    *_, coded = lower_for_inductor(after, cpu=True)
+    assert [r.name for r in lower_for_inductor(copy.deepcopy(before))] == ["inline_references", "split_encoding_writes"]
+    calls = [n for n in after.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
+    twins = [n for n in calls if n.target.namespace == TWIN_NAMESPACE]
+    assert coded.name == "code_string_arguments" and coded.matches == len(twins) > 0
+    assert [n.name for n in calls if n.target.namespace == NAMESPACE and coded_arguments(n.target)] == []
+    assert {n.target.name().split("::")[1] for n in twins} >= {"write_rows", "sparse_attention", "engram_hash"}
+    for node in twins:
+        args = named_args(node)
+        for name in ("fmt", "layout", "multipliers", "primes"):
+            if name in args:
+                assert isinstance(args[name], int), (node.name, name)
+    assert code(RAW_BYTES) in {named_args(n).get("fmt") for n in twins}  # the split writes' format
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["references", "coded"])
+def test_the_lowered_graphs_compute_the_same_bytes(small_path, cpu):
     package = load(small_path)
     plain, lowered = package.session(slots=2, max_rows=2), package.session(slots=2, max_rows=2)
     for name in ("prefill", "decode", "verify"):
         graph = copy.deepcopy(plain.buckets[name][2].graph)
-        lower_for_inductor(graph)
+        lower_for_inductor(graph, cpu=cpu)
         for bucket in lowered.buckets[name].values():
             bucket.graph = graph
     gen = torch.Generator().manual_seed(5)

@@ -64,6 +64,9 @@ def test_compiled_write_after_read_updates_the_cache_in_place(tmp_path, monkeypa
     assert torch.equal(ring, want_ring)  # the history was read before the new rows replaced it
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     assert _largest_buffer(code) < ring.numel(), "the compiled graph allocates a cache-sized buffer"
+    # The write's format goes to it as an integer, through the C shim: no boxed dispatcher call,
+    # whose headers cost the compiler 7 s a graph (code_string_arguments.py).
+    assert "aoti_torch_call_dispatcher" in code and "c10::Dispatcher" not in code
 
     # In Inductor's own order the read moves past the write, and the cache is then cloned.
     monkeypatch.setattr(compiled, "INDUCTOR_CONFIG", {})
