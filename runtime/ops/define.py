@@ -19,6 +19,9 @@ import torch
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+REFERENCES: dict[str, Callable] = {}
+"""Each op's torch reference by op name: its kernel on the CPU (a caller that knows its tensors
+are there may call it without dispatching again)."""
 
 
 def reference_op(mutates_args: tuple[str, ...] = ()) -> Callable:
@@ -28,6 +31,7 @@ def reference_op(mutates_args: tuple[str, ...] = ()) -> Callable:
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
         _LIBRARY.define(fn.__name__ + schema, tags=(torch.Tag.pt2_compliant_tag,))
         _LIBRARY.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        REFERENCES[fn.__name__] = fn
         return fn
 
     return define

@@ -1,19 +1,20 @@
-"""code_string_arguments: on the CPU, the string arguments of the op set's calls become integers.
+"""code_string_arguments: on the CPU, the string and int-list arguments of op calls become integers.
 
 Inductor's C++ wrapper (compiled.CPU_CONFIG) calls an op through torch's C shim when every
 argument is a tensor, an integer, a float or a bool. An op with a string argument (a cache
-format, a page layout, an activation rule) it calls through the boxed dispatcher instead,
-and the compiler then reads the dispatcher's headers for every graph: 7.2 s of CPU of the
-15 s that building a one-layer commit graph's wrapper took here, for any graph calling one
-such op, and nearly every pass graph does.
+format, a page layout, an activation rule) or a list of ints (Engram's primes) it calls
+through the boxed dispatcher instead, and the compiler then reads the dispatcher's headers
+for every graph: 7.2 s of CPU of the 15 s that building a one-layer commit graph's wrapper
+took here, for any graph calling one such op, and nearly every pass graph does.
 
-So before a graph is compiled for the CPU, each call of an op with string arguments becomes
-a call of its coded twin (`b12x_toolchain_coded::<op>`), whose schema takes an int where the
-op takes a str: the integer is a digest of the string, and the twin turns it back and calls
-the op, so the same kernel runs on the same arguments. The twins live in a namespace of their
-own: they are the lowering's, never part of the op set or of a package. A process knows the
-strings it has coded; a compiled graph read back from the cache is lowered again first
-(CompiledGraph.compile), which codes its strings in the process that replays it.
+So before a graph is compiled for the CPU, each such call becomes a call of the op's coded
+twin (`b12x_toolchain_coded::<op>`), whose schema takes an int where the op takes a str or
+an int[]: the integer is a digest of the value, and the twin turns it back and calls the op's
+CPU kernel (its torch reference), so the same kernel runs on the same arguments. The twins
+live in a namespace of their own: they are the lowering's, never part of the op set or of a
+package. A process knows the values it has coded; a compiled graph read back from the cache
+is lowered again first (CompiledGraph.compile), which codes its values in the process that
+replays it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 
 import torch
 
+from b12x_toolchain.runtime.ops.define import REFERENCES
 from b12x_toolchain.runtime.ops.namespace import NAMESPACE
 from b12x_toolchain.runtime.ops.opset import OPS
 from b12x_toolchain.runtime.rewrite import NodeRewrite, Rule, replace_args
@@ -65,17 +67,26 @@ def twin(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
         coded = set(coded_arguments(op))
         names = [a.name for a in schema.arguments]
 
+        reference = REFERENCES[name]  # the op's CPU kernel, called without a second dispatch
+
+        def decoded(args, kwargs) -> tuple[list, dict]:
+            return ([_value(a) if names[i] in coded and a is not None else a for i, a in enumerate(args)],
+                    {k: _value(v) if k in coded and v is not None else v for k, v in kwargs.items()})
+
         def kernel(*args, **kwargs):
-            args = [_value(a) if names[i] in coded and a is not None else a for i, a in enumerate(args)]
-            kwargs = {k: _value(v) if k in coded and v is not None else v for k, v in kwargs.items()}
-            return op(*args, **kwargs)
+            args, kwargs = decoded(args, kwargs)
+            return reference(*args, **kwargs)
+
+        def fake(*args, **kwargs):
+            args, kwargs = decoded(args, kwargs)
+            return op(*args, **kwargs)  # the op's own fake
 
         text, returns = str(schema).split("(", 1)[1].rsplit(") -> ", 1)  # no argument has a default
         arguments = ", ".join(f"{CODED_TYPES[str(a.type)]} {a.name}" if a.name in coded else written
                               for a, written in zip(schema.arguments, text.split(", "), strict=True))
         _LIBRARY.define(f"{name}({arguments}) -> {returns}", tags=(torch.Tag.pt2_compliant_tag,))
-        _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{TWIN_NAMESPACE}::{name}", lib=_LIBRARY)(kernel)  # the op's own fake
+        _LIBRARY.impl(name, kernel, "CPU")  # twins are made for the CPU's wrapper only
+        torch.library.register_fake(f"{TWIN_NAMESPACE}::{name}", lib=_LIBRARY)(fake)
         _twins[op] = getattr(getattr(torch.ops, TWIN_NAMESPACE), name).default
     return _twins[op]
 
