@@ -274,9 +274,11 @@ class Session:
             (self.caches if spec.role == "cache" else self.staging)[name] = tensor
 
     def _prepare(self, info) -> dict[int, Bucket]:
-        # A compiled pass is traced by Inductor from the program (its values described); a replayed
-        # one needs only the graph module and calling spec (pass_graph.PassGraph.replay).
-        program = info.program if info.name in self._compiled_now else info.graph.replay
+        # Replayed or compiled, a pass needs only the graph module and calling spec
+        # (pass_graph.PassGraph.replay): Inductor is handed fakes of the bucket's static shapes
+        # (compiled.py), as the background compilation does. The program's own described values
+        # are symbolic, and compiling from them failed inside torch's fake tensors.
+        program = info.graph.replay
         for node in program.graph_module.graph.nodes:
             if node.op == "call_function" and node.target == FUSED:
                 args = dict(zip((a.name for a in FUSED._schema.arguments), node.args))

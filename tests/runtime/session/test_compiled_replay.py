@@ -112,12 +112,15 @@ def test_a_later_session_reads_every_graph_back_from_the_cache(sessions):
     warm = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache, compile_in_background=True)
     assert warm.compiler.status()["state"] == "compiled"  # loaded as it opened: compiled from its first replay
     assert counters["aot_autograd"]["autograd_cache_hit"] - hits == len(COMPILED)  # read back, not traced again
+    # Without the background compilation, a pass compiles (here: reads back) on its first replay.
+    on_first_use = package.session(slots=1, max_rows=1, compile=COMPILED, compile_cache=cache)
     step = {"token_ids": [[7] * 8], "slot_ids": [0], "positions": [plain.seq_lens[0]]}
     logits = []
-    for session in (compiled, warm):
+    for session in (compiled, warm, on_first_use):
         _copy_state(plain, session)
         logits.append(session.replay("verify", **step)["logits"].clone())
-    assert torch.equal(*logits)
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    assert all(b.graph.compiled for b in on_first_use.buckets["verify"].values())
 
 
 def test_compile_names_the_passes_it_takes(small_path):
